@@ -1,0 +1,25 @@
+"""User errors: bad input is reported as one line and a non-zero exit, never as a traceback."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """A problem with what the user gave us (a file, a key, a value). The message names it."""
+
+
+def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
+    """Run a CLI entry point; a UserError becomes ``error: <message>`` on stderr and exit code 2."""
+    try:
+        rc = main(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr, flush=True)
+        return 130
+    return int(rc or 0)
