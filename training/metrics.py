@@ -1,0 +1,93 @@
+"""The run's numbers, each defined once.
+
+Conventions (every report in the application uses these functions and nothing else):
+
+* **Throughput** counts *trained* samples: sequences/s = sequences consumed by optimizer steps / wall seconds,
+  measured after ``warmup_steps`` steps, with device synchronisation at both ends of the window. Tokens/s =
+  sequences/s x sequence length (a packed GPT window of ``seq_len`` inputs counts ``seq_len`` tokens; BERT
+  counts every position, padding included, as NVIDIA's reference does).
+* **Per device** figures divide the job's figure by the number of devices (data-parallel ranks x model-parallel
+  size); on CPU one rank stands for one device.
+* **TFLOP/s per device** = tokens/s per device x training FLOPs per token (``model.flops.training_flops_per_token``).
+* **MFU** = achieved FLOP/s per device / the device's peak dense BF16 FLOP/s (``model.flops.peak_flops``).
+* **Scaling efficiency** of a run = its per-device throughput / the per-device throughput of the smallest run
+  (fewest devices) of the same configuration fingerprint. There is no efficiency without such a baseline.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Throughput:
+    sequences_per_sec: float
+    tokens_per_sec: float
+    sequences_per_sec_per_device: float
+    tokens_per_sec_per_device: float
+
+
+def throughput(sequences: int, seconds: float, seq_len: int, devices: int) -> Throughput:
+    """Throughput over a measured window of ``sequences`` trained sequences in ``seconds``."""
+    if seconds <= 0 or devices <= 0:
+        raise ValueError(f"throughput needs seconds > 0 and devices > 0 (got {seconds}, {devices})")
+    sps = sequences / seconds
+    return Throughput(sps, sps * seq_len, sps / devices, sps * seq_len / devices)
+
+
+def tflops_per_device(tokens_per_sec_per_device: float, flops_per_token: float) -> float:
+    """Achieved model TFLOP/s per device (model FLOPs, not hardware FLOPs: recomputation is not counted)."""
+    return tokens_per_sec_per_device * flops_per_token / 1e12
+
+
+def mfu(tokens_per_sec_per_device: float, flops_per_token: float, peak_flops_per_device: float) -> float:
+    """Model FLOPs utilisation, a fraction in [0, 1] for any honest measurement."""
+    if peak_flops_per_device <= 0:
+        raise ValueError("peak FLOP/s must be positive")
+    return tokens_per_sec_per_device * flops_per_token / peak_flops_per_device
+
+
+def scaling_efficiency(per_device_throughput: float, baseline_per_device_throughput: float) -> float:
+    """Per-device throughput relative to the baseline run (the smallest run of the same fingerprint)."""
+    if baseline_per_device_throughput <= 0:
+        raise ValueError("baseline throughput must be positive")
+    return per_device_throughput / baseline_per_device_throughput
+
+
+# Keys that legitimately change between runs of one configuration at different scales; they are left out
+# of the fingerprint so that such runs group together. Threads per rank stays in: on CPU, runs with
+# different thread counts are not comparable.
+SCALE_DEPENDENT_KEYS = frozenset(
+    {
+        "world_size",
+        "nodes",
+        "gradient_accumulation_steps",
+        "run.dir",
+        "run.name",
+        "checkpoint.dir",
+        "checkpoint.resume",
+        "logging.wandb.name",
+        "train.grad_accum",
+    }
+)
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_fingerprint(resolved_config: dict[str, Any]) -> str:
+    """A short stable hash of a resolved configuration, ignoring keys that change with scale."""
+    flat = {k: v for k, v in _flatten(resolved_config).items() if k not in SCALE_DEPENDENT_KEYS}
+    blob = json.dumps(flat, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
