@@ -1,0 +1,127 @@
+"""BERT for pre-training: the ``transformers`` model with a sparse MLM head.
+
+The MLM decoder (a ``hidden x vocab`` matmul, the largest single matmul of a small BERT) runs only at the
+masked positions: hidden states are gathered at ``masked_lm_positions`` before the prediction head, as
+NVIDIA's reference does, instead of over every position as ``BertForPreTraining`` does. The weights are the
+``transformers`` ones, so a checkpoint exports to Hugging Face format unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import BertConfig, BertForPreTraining, MegatronBertConfig, MegatronBertForPreTraining
+from transformers.models.megatron_bert import modeling_megatron_bert as megatron
+
+from model.registry import BertSpec
+
+
+def hf_config(spec: BertSpec, attention: str = "sdpa") -> BertConfig | MegatronBertConfig:
+    cls = MegatronBertConfig if spec.pre_layernorm else BertConfig
+    return cls(
+        vocab_size=spec.padded_vocab,
+        hidden_size=spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        intermediate_size=spec.ffn,
+        max_position_embeddings=spec.max_positions,
+        type_vocab_size=spec.type_vocab,
+        hidden_dropout_prob=spec.dropout,
+        attention_probs_dropout_prob=spec.dropout,
+        hidden_act="gelu",
+        pad_token_id=0,
+    )
+
+
+class SdpaMegatronSelfAttention(megatron.MegatronBertSelfAttention):
+    """MegatronBert's self-attention through ``F.scaled_dot_product_attention`` (flash/efficient kernels).
+
+    ``transformers`` has no SDPA path for the pre-LN BERT; this keeps its parameters (query/key/value) and
+    state-dict names, and replaces only the softmax(QK^T)V computation. Encoder-only: no KV cache.
+    """
+
+    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):  # type: ignore[override]
+        b, s, _ = hidden_states.shape
+        shape = (b, s, self.num_attention_heads, self.attention_head_size)
+        q = self.query(hidden_states).view(shape).transpose(1, 2)
+        k = self.key(hidden_states).view(shape).transpose(1, 2)
+        v = self.value(hidden_states).view(shape).transpose(1, 2)
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask.to(q.dtype)
+        ctx = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, dropout_p=self.dropout.p if self.training else 0.0
+        )
+        return ctx.transpose(1, 2).reshape(b, s, self.all_head_size), None
+
+
+def _use_sdpa_in_megatron(model: MegatronBertForPreTraining) -> None:
+    for module in model.modules():
+        if type(module) is megatron.MegatronBertSelfAttention:
+            module.__class__ = SdpaMegatronSelfAttention
+    # Masks are then built in SDPA form (boolean, or None when nothing is padded).
+    model.config._attn_implementation = "sdpa"
+
+
+def build_hf_bert(spec: BertSpec, attention: str = "sdpa") -> BertForPreTraining | MegatronBertForPreTraining:
+    """The ``transformers`` pre-training model for a spec (on the current default device)."""
+    config = hf_config(spec)
+    if spec.pre_layernorm:
+        config._attn_implementation = "eager"
+        model = MegatronBertForPreTraining(config)
+        if attention == "sdpa":
+            _use_sdpa_in_megatron(model)
+        return model
+    config._attn_implementation = attention
+    return BertForPreTraining(config)
+
+
+class BertPretraining(nn.Module):
+    """MLM + NSP pre-training with the MLM head evaluated only at masked positions."""
+
+    family = "bert"
+
+    def __init__(self, spec: BertSpec, attention: str = "sdpa") -> None:
+        super().__init__()
+        self.spec = spec
+        self.hf = build_hf_bert(spec, attention)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        masked_lm_positions: torch.Tensor,
+        masked_lm_ids: torch.Tensor,
+        masked_lm_weights: torch.Tensor,
+        next_sentence_labels: torch.Tensor,
+        **_: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """Returns ``loss`` (MLM mean over real predictions + NSP mean) and the pieces for metrics."""
+        out = self.hf.bert(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
+        sequence, pooled = out[0], out[1]
+        hidden = sequence.size(-1)
+        index = masked_lm_positions.unsqueeze(-1).expand(-1, -1, hidden)
+        gathered = torch.gather(sequence, 1, index)  # [B, P, H]
+        mlm_logits = self.hf.cls.predictions(gathered).float()  # [B, P, V]
+        nsp_logits = self.hf.cls.seq_relationship(pooled).float()  # [B, 2]
+
+        weights = masked_lm_weights.float()
+        per_token = F.cross_entropy(
+            mlm_logits.view(-1, mlm_logits.size(-1)), masked_lm_ids.view(-1), reduction="none"
+        ).view_as(weights)
+        n_pred = weights.sum()
+        mlm_loss = (per_token * weights).sum() / n_pred.clamp(min=1.0)
+        nsp_loss = F.cross_entropy(nsp_logits, next_sentence_labels.view(-1))
+        with torch.no_grad():
+            mlm_correct = ((mlm_logits.argmax(-1) == masked_lm_ids).float() * weights).sum()
+            nsp_correct = (nsp_logits.argmax(-1) == next_sentence_labels.view(-1)).float().sum()
+        return {
+            "loss": mlm_loss + nsp_loss,
+            "mlm_loss": mlm_loss.detach(),
+            "nsp_loss": nsp_loss.detach(),
+            "mlm_correct": mlm_correct,
+            "mlm_count": n_pred.detach(),
+            "nsp_correct": nsp_correct,
+            "nsp_count": torch.tensor(float(nsp_logits.size(0))),
+        }

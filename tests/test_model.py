@@ -1,0 +1,222 @@
+"""Model registry, parameter counts, FLOPs convention, and parity with the ``transformers`` reference models."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import BertForPreTraining, GPTNeoXForCausalLM
+
+from model.build import build_model, count_parameters
+from model.flops import PEAK_BF16_FLOPS, measure_cpu_bf16_peak, peak_flops, training_flops_per_token
+from model.registry import REGISTRY, get_spec
+from tests.conftest import REPO, run_env
+
+# Published sizes; counts must be within 3%. neox-125m is nominal under the tied convention (GPT-NeoX's own
+# count with untied embeddings is 162M); the others are GPT-NeoX's own (untied) counts.
+EXPECTED_PARAMS = {
+    "bert-base": ("params", 110e6),
+    "bert-large": ("params", 335e6),
+    "bert-1.5b": ("params", 1.5e9),
+    "bert-5b": ("params", 5.0e9),
+    "neox-125m": ("params_tied", 125e6),
+    "neox-1.3b": ("params", 1.4e9),
+    "neox-20b": ("params", 20.6e9),
+}
+
+
+@pytest.fixture(scope="module")
+def listing() -> list[dict]:
+    out = subprocess.run(
+        [sys.executable, "-m", "model", "list", "--json"],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_PARAMS))
+def test_parameter_counts_within_3_percent(listing, name):
+    row = next(r for r in listing if r["name"] == name)
+    key, expected = EXPECTED_PARAMS[name]
+    assert abs(row[key] - expected) / expected < 0.03, (name, row[key], expected)
+
+
+def test_listing_covers_registry_and_conventions(listing):
+    assert [r["name"] for r in listing] == list(REGISTRY)
+    neox125 = next(r for r in listing if r["name"] == "neox-125m")
+    assert abs(neox125["params"] - 162e6) / 162e6 < 0.03  # untied, as GPT-NeoX counts it
+    for r in listing:
+        assert {"name", "family", "params"} <= set(r)
+        assert r["family"] in ("bert", "neox")
+
+
+def test_shapes_match_published_configs():
+    large, b5, n20 = get_spec("bert-large"), get_spec("bert-5b"), get_spec("neox-20b")
+    assert (large.layers, large.hidden, large.heads, large.ffn, large.padded_vocab) == (
+        24,
+        1024,
+        16,
+        4096,
+        30528,
+    )
+    assert (b5.layers, b5.hidden, b5.heads, b5.ffn, b5.pre_layernorm) == (63, 2560, 40, 10240, True)
+    assert (n20.layers, n20.hidden, n20.heads, n20.rotary_pct, n20.parallel_residual) == (
+        44,
+        6144,
+        64,
+        0.25,
+        True,
+    )
+    assert n20.padded_vocab == 50432
+
+
+def test_meta_device_allocates_nothing():
+    model = build_model("neox-20b", device="meta")
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_unknown_model_is_a_user_error():
+    from common.errors import UserError
+
+    with pytest.raises(UserError, match="unknown model 'bert-huge'"):
+        get_spec("bert-huge")
+
+
+def _bert_batch(spec, batch=3, seq=32, max_pred=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, spec.vocab_size, (batch, seq), generator=g)
+    attention = torch.ones(batch, seq, dtype=torch.long)
+    attention[0, 20:] = 0  # padding in one row
+    types_ = torch.zeros(batch, seq, dtype=torch.long)
+    types_[:, seq // 2 :] = 1
+    positions = torch.zeros(batch, max_pred, dtype=torch.long)
+    labels = torch.zeros(batch, max_pred, dtype=torch.long)
+    weights = torch.zeros(batch, max_pred)
+    for b in range(batch):
+        n = max_pred if b else 3  # row 0 has fewer predictions: zero-padded like NVIDIA's shards
+        pos = torch.sort(torch.randperm(18, generator=g)[:n] + 1).values
+        positions[b, :n] = pos
+        labels[b, :n] = torch.randint(5, spec.vocab_size, (n,), generator=g)
+        weights[b, :n] = 1.0
+    nsp = torch.tensor([0, 1, 1][:batch])
+    return dict(
+        input_ids=ids,
+        token_type_ids=types_,
+        attention_mask=attention,
+        masked_lm_positions=positions,
+        masked_lm_ids=labels,
+        masked_lm_weights=weights,
+        next_sentence_labels=nsp,
+    )
+
+
+@pytest.mark.parametrize("pre_ln", [False, True])
+def test_sparse_mlm_loss_equals_bert_for_pretraining(pre_ln):
+    """Sparse-MLM loss == the dense reference loss on the same weights and inputs (fp32, rtol 1e-5)."""
+    torch.manual_seed(0)
+    spec = get_spec("bert-debug", vocab_size=1000, pre_layernorm=pre_ln, dropout=0.0)
+    ours = build_model(spec).eval()
+    batch = _bert_batch(spec)
+    out = ours(**batch)
+
+    reference = ours.hf  # BertForPreTraining / MegatronBertForPreTraining with the same weights
+    if not pre_ln:
+        assert isinstance(reference, BertForPreTraining)
+    labels = torch.full_like(batch["input_ids"], -100)
+    for b in range(labels.size(0)):
+        n = int(batch["masked_lm_weights"][b].sum())
+        labels[b, batch["masked_lm_positions"][b, :n]] = batch["masked_lm_ids"][b, :n]
+    ref = reference(
+        input_ids=batch["input_ids"],
+        token_type_ids=batch["token_type_ids"],
+        attention_mask=batch["attention_mask"],
+        labels=labels,
+        next_sentence_label=batch["next_sentence_labels"],
+    )
+    torch.testing.assert_close(out["loss"], ref.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_megatron_sdpa_matches_eager_attention():
+    torch.manual_seed(0)
+    spec = get_spec("bert-debug", vocab_size=1000, pre_layernorm=True, dropout=0.0)
+    sdpa = build_model(spec, attention="sdpa").eval()
+    eager = build_model(spec, attention="eager").eval()
+    eager.load_state_dict(sdpa.state_dict())
+    batch = _bert_batch(spec)
+    torch.testing.assert_close(sdpa(**batch)["loss"], eager(**batch)["loss"], rtol=1e-5, atol=1e-6)
+
+
+def test_neox_loss_equals_gpt_neox_for_causal_lm():
+    torch.manual_seed(0)
+    spec = get_spec("neox-debug", vocab_size=512)
+    ours = build_model(spec).eval()
+    assert isinstance(ours.hf, GPTNeoXForCausalLM)
+    assert ours.hf.config.tie_word_embeddings is False
+    # An independently constructed reference with the same config and weights.
+    reference = GPTNeoXForCausalLM(ours.hf.config).eval()
+    reference.load_state_dict(ours.hf.state_dict())
+    ids = torch.randint(0, 500, (2, 33))
+    ref = reference(input_ids=ids[:, :-1], labels=ids[:, :-1])  # HF shifts internally: loses the last target
+    ref_logits = reference(input_ids=ids[:, :-1]).logits
+    ours_logits = ours.hf(input_ids=ids[:, :-1]).logits
+    torch.testing.assert_close(ours_logits, ref_logits, rtol=1e-5, atol=1e-5)
+    full = torch.nn.functional.cross_entropy(
+        ref_logits.reshape(-1, ref_logits.size(-1)), ids[:, 1:].reshape(-1)
+    )
+    torch.testing.assert_close(ours(input_ids=ids)["loss"], full, rtol=1e-5, atol=1e-6)
+    assert not torch.isclose(ref.loss, full)  # the packed convention keeps the window's last target
+
+
+def test_activation_checkpointing_gives_same_gradients():
+    torch.manual_seed(0)
+    spec = get_spec("bert-debug", vocab_size=1000, dropout=0.0)
+    plain = build_model(spec)
+    ckpt = build_model(spec, activation_checkpointing=True)
+    ckpt.load_state_dict(plain.state_dict())
+    batch = _bert_batch(spec)
+    calls = {"plain": 0, "ckpt": 0}
+
+    def counter(key):
+        def hook(*_):
+            calls[key] += 1
+
+        return hook
+
+    plain.hf.bert.encoder.layer[0].attention.register_forward_hook(counter("plain"))
+    ckpt.hf.bert.encoder.layer[0].attention.register_forward_hook(counter("ckpt"))
+    plain(**batch)["loss"].backward()
+    ckpt(**batch)["loss"].backward()
+    assert ckpt.hf.is_gradient_checkpointing
+    assert (calls["plain"], calls["ckpt"]) == (1, 2)  # inside the layer, work is recomputed in backward
+    for (n, a), (_, b) in zip(plain.named_parameters(), ckpt.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_flops_per_token_convention():
+    spec = get_spec("neox-1.3b")
+    n = count_parameters(spec)
+    non_input_embedding = n["total"] - n["input_embedding"]
+    expected = 6 * non_input_embedding + 12 * spec.layers * spec.hidden * 2048
+    assert training_flops_per_token(spec, 2048) == pytest.approx(expected, rel=1e-9)
+    # BERT: the MLM head counts max_pred/seq of a token's share, so phase 2 (80/512) > phase 1 (20/128) per token
+    large = get_spec("bert-large")
+    assert training_flops_per_token(large, 512, 80) > training_flops_per_token(large, 128, 20)
+    assert (
+        training_flops_per_token(large, 128, 20) < 6 * count_parameters(large)["total"] + 12 * 24 * 1024 * 128
+    )
+
+
+def test_peak_flops_table_and_cpu_fallback():
+    assert peak_flops("H100 SXM") == PEAK_BF16_FLOPS["H100 SXM"] and peak_flops("A100") == 312e12
+    assert peak_flops("H200") >= peak_flops("H100 PCIe")
+    cpu = measure_cpu_bf16_peak(size=256, seconds=0.2)
+    assert 1e8 < cpu < 1e14
+    with pytest.raises(KeyError, match="no peak"):
+        peak_flops("Mystery GPU")

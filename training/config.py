@@ -1,0 +1,375 @@
+"""Typed run configuration: dataclasses, YAML recipes, dotted command-line overrides.
+
+One precedence rule: command line > YAML file (> the files it ``base:``-includes) > the defaults declared here.
+Every mistake (unknown key, wrong type, inconsistent batch arithmetic, missing file) raises ``UserError``
+with one line that names the key and the values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+import yaml
+
+from common.errors import UserError
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+@dataclass
+class RunSection:
+    name: str = "run"
+    """Run name, used in logs and wandb."""
+    dir: str = "runs/default"
+    """Run directory: metrics.jsonl, summary.json, resolved config, checkpoints (unless checkpoint.dir)."""
+    threads_per_rank: int = 0
+    """torch intra-op threads per rank; 0 = leave torch's default. Recorded: part of the fingerprint."""
+
+
+@dataclass
+class ModelSection:
+    name: str = "bert-debug"
+    """A registry name (``python -m model list``)."""
+    attention: Literal["sdpa", "eager"] = "sdpa"
+    """Attention kernel: PyTorch scaled-dot-product attention (flash/efficient kernels on GPU) or eager."""
+    activation_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass (memory for compute)."""
+    dropout: float | None = None
+    """Override the size's dropout (BERT 0.1, GPT-NeoX 0.0)."""
+    vocab_size: int | None = None
+    """Override the vocabulary size; by default it is read from the data's vocabulary/tokenizer."""
+
+
+@dataclass
+class DataSection:
+    train: str = ""
+    """Directory of training HDF5 shards (``python -m data bert|gpt``)."""
+    eval: str | None = None
+    """Directory of held-out shards for evaluation."""
+    kind: Literal["bert", "gpt", "auto"] = "auto"
+    """Shard format; auto follows the model family."""
+    seq_len: int = 128
+    """Sequence length the shards must have."""
+    max_pred: int = 20
+    """BERT: MLM predictions per sequence the shards must have."""
+    vocab: str | None = None
+    """vocab.txt / tokenizer.json the shards were made with (checked against the shards' hash; exported)."""
+    num_workers: int = 1
+    """Loader worker processes per rank."""
+
+
+@dataclass
+class OptimizerSection:
+    name: Literal["lans", "lamb", "adamw"] = "lans"
+    lr: float = 1e-3
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-6
+    weight_decay: float = 0.01
+
+
+@dataclass
+class ScheduleSection:
+    kind: Literal["poly", "warmup_constant_decay", "cosine", "constant"] = "poly"
+    """poly: NVIDIA PolyWarmUp; warmup_constant_decay: the Gaudi recipes; cosine: GPT-NeoX."""
+    warmup: float = 0.01
+    """Warmup as a fraction of train.steps."""
+    constant: float = 0.0
+    """warmup_constant_decay: constant phase as a fraction of train.steps."""
+    degree: float = 0.5
+    """poly: decay exponent."""
+    min_ratio: float = 0.0
+    """Final lr as a fraction of optimizer.lr (cosine, warmup_constant_decay)."""
+
+
+@dataclass
+class TrainSection:
+    steps: int = 20
+    """Optimizer steps (this phase)."""
+    global_batch: int = 32
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    micro_batch: int = 8
+    """Sequences per rank per forward/backward."""
+    grad_accum: int | None = None
+    """Derived: global_batch / (micro_batch x data-parallel world size). Give it only to assert it."""
+    seed: int = 1234
+    eval_every: int = 0
+    """Evaluate every K steps (0: only at the end when data.eval is set)."""
+    eval_batches: int = 8
+    """Micro-batches per rank per evaluation."""
+    init_from: str | None = None
+    """Phase 2: start from this checkpoint's weights with a fresh optimizer, step count and schedule."""
+
+
+@dataclass
+class DeepSpeedSection:
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    precision: Literal["bf16", "fp16", "fp32"] = "bf16"
+    """bf16: BF16 compute with FP32 master weights and FP32 gradient accumulation."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping (0: off)."""
+    offload_optimizer: bool = False
+    """ZeRO-Offload: optimizer state and step on the CPU."""
+    offload_param: bool = False
+    """ZeRO-3 only: parameters on the CPU."""
+    mics_shard_size: int = 0
+    """ZeRO-3 only: MiCS shard group size (0: off)."""
+    backend: Literal["auto", "nccl", "gloo", "hccl", "ccl"] = "auto"
+    """Communication backend; auto = nccl on CUDA, gloo on CPU."""
+    timeout_s: int = 600
+    """Collective timeout: a dead rank ends the job within this bound instead of hanging it."""
+    overlap_comm: bool = True
+    bucket_size: int = 200_000_000
+
+
+@dataclass
+class CheckpointSection:
+    dir: str | None = None
+    """Checkpoint directory (default RUN_DIR/checkpoints)."""
+    every: int = 0
+    """Save every K steps (0: only at the end)."""
+    keep: int = 3
+    """Keep the newest K complete checkpoints."""
+    resume: str = "auto"
+    """auto: the newest complete checkpoint if any; never: refuse to run over existing checkpoints; or a path."""
+
+
+@dataclass
+class WandbSection:
+    project: str | None = None
+    """Set to log to wandb (WANDB_MODE=offline works without network)."""
+    entity: str | None = None
+    name: str | None = None
+    mode: Literal["online", "offline", "disabled"] | None = None
+
+
+@dataclass
+class LoggingSection:
+    every: int = 5
+    """Console / metrics.jsonl line every K steps."""
+    warmup_steps: int = 2
+    """Steps excluded from throughput (compilation, allocator warm-up)."""
+    wandb: WandbSection = field(default_factory=WandbSection)
+    tensorboard: bool = False
+    """Also log through DeepSpeed's TensorBoard monitor (RUN_DIR/tensorboard)."""
+
+
+@dataclass
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optimizer: OptimizerSection = field(default_factory=OptimizerSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- typed construction
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check (and where lossless, convert) ``value`` to the declared type ``tp``."""
+    origin = get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, key)
+            except UserError as e:
+                errors.append(e)
+        raise UserError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if origin is Literal:
+        if value in get_args(tp) and type(value) in {type(a) for a in get_args(tp)}:
+            return value
+        raise UserError(f"{key}: expected one of {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        (item,) = get_args(tp)
+        if not isinstance(value, list | tuple):
+            raise UserError(f"{key}: expected a list, got {value!r}")
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise UserError(f"{key}: expected a mapping, got {value!r}")
+        return _build(tp, value, key + ".")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 6e-3 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    else:
+        raise TypeError(f"unsupported config type {tp} for {key}")
+    raise UserError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise UserError(
+            f"unknown key {prefix}{unknown[0]} (known in {prefix or 'top level'}: {', '.join(sorted(names))})"
+        )
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in values.items()}
+    return cls(**kwargs)
+
+
+# --------------------------------------------------------------------------- YAML and overrides
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A YAML path, or a recipe name in ``configs/`` (``smoke`` -> configs/smoke.yaml)."""
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml"):
+        if not p.exists():
+            raise UserError(f"config file {p} does not exist")
+        return p
+    candidate = CONFIG_DIR / f"{name_or_path}.yaml"
+    if candidate.exists():
+        return candidate
+    raise UserError(f"config {name_or_path!r} is neither a YAML file nor a recipe in {CONFIG_DIR}")
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_yaml(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a recipe; a top-level ``base: other.yaml`` (relative to this file) is read first and overlaid."""
+    path = path.resolve()
+    if path in _seen:
+        raise UserError(f"{path}: circular 'base:' include")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        raise UserError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise UserError(f"{path}:{where} is not valid YAML ({getattr(e, 'problem', e)})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a mapping at the top level")
+    base = data.pop("base", None)
+    if base is not None:
+        data = _merge(load_yaml(path.parent / base, (*_seen, path)), data)
+    return data
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``optimizer.lr=3e-3`` -> (["optimizer", "lr"], 0.003); the value is parsed as YAML."""
+    if "=" not in text:
+        raise UserError(f"override {text!r} is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise UserError(f"override {text!r} has an empty key part")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults < YAML file < command-line overrides; every key and type checked."""
+    values: dict[str, Any] = load_yaml(resolve_config_path(path)) if path else {}
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = values
+        for p in parts[:-1]:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise UserError(f"override {text!r}: {p} is not a section")
+            node = child
+        node[parts[-1]] = value
+    cfg: Config = _build(Config, values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need more than one field."""
+    positive = {
+        "train.steps": cfg.train.steps,
+        "train.global_batch": cfg.train.global_batch,
+        "train.micro_batch": cfg.train.micro_batch,
+        "data.seq_len": cfg.data.seq_len,
+        "logging.every": cfg.logging.every,
+    }
+    for key, v in positive.items():
+        if v <= 0:
+            raise UserError(f"{key} must be positive, got {v}")
+    if cfg.optimizer.lr <= 0:
+        raise UserError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
+    if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
+        raise UserError(f"optimizer.betas must be two numbers in [0, 1), got {cfg.optimizer.betas}")
+    if not 0 <= cfg.schedule.warmup + cfg.schedule.constant <= 1:
+        raise UserError(
+            f"schedule.warmup + schedule.constant must be within [0, 1], got {cfg.schedule.warmup} + {cfg.schedule.constant}"
+        )
+    if cfg.deepspeed.offload_param and cfg.deepspeed.zero_stage != 3:
+        raise UserError(
+            f"deepspeed.offload_param needs deepspeed.zero_stage=3, got {cfg.deepspeed.zero_stage}"
+        )
+    if cfg.deepspeed.mics_shard_size and cfg.deepspeed.zero_stage != 3:
+        raise UserError(
+            f"deepspeed.mics_shard_size needs deepspeed.zero_stage=3, got {cfg.deepspeed.zero_stage}"
+        )
+    if cfg.checkpoint.keep < 1:
+        raise UserError(f"checkpoint.keep must be at least 1, got {cfg.checkpoint.keep}")
+    if cfg.train.global_batch % cfg.train.micro_batch:
+        raise UserError(
+            f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch={cfg.train.micro_batch}"
+        )
+
+
+def gradient_accumulation(train: TrainSection, dp_world: int) -> int:
+    """global_batch = micro_batch x grad_accum x data-parallel world size, reconciled once, here."""
+    per_step = train.micro_batch * dp_world
+    if train.global_batch % per_step:
+        raise UserError(
+            f"train.global_batch={train.global_batch} is not divisible by train.micro_batch={train.micro_batch} "
+            f"x data-parallel world size {dp_world} (= {per_step})"
+        )
+    accum = train.global_batch // per_step
+    if train.grad_accum is not None and train.grad_accum != accum:
+        raise UserError(
+            f"train.grad_accum={train.grad_accum} contradicts train.global_batch={train.global_batch} / "
+            f"(train.micro_batch={train.micro_batch} x world size {dp_world}) = {accum}"
+        )
+    return accum
