@@ -1,0 +1,137 @@
+"""Typed configuration: precedence, type checks, batch arithmetic, one-line errors, every shipped recipe."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.errors import UserError
+from tests.conftest import REPO, run_env
+from training.config import CONFIG_DIR, Config, gradient_accumulation, load_config
+from training.engine import deepspeed_config
+
+
+def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_precedence_cli_over_file_over_defaults(tmp_path):
+    p = write(tmp_path, "optimizer:\n  lr: 6e-3\n  name: lamb\ntrain:\n  steps: 7\n")
+    cfg = load_config(str(p), ["optimizer.lr=3e-3"])
+    assert cfg.optimizer.lr == pytest.approx(3e-3)  # command line wins
+    assert cfg.optimizer.name == "lamb" and cfg.train.steps == 7  # file wins over defaults
+    assert cfg.optimizer.weight_decay == Config().optimizer.weight_decay  # default kept
+    assert isinstance(load_config(str(p)).optimizer.lr, float)  # YAML 1.1 reads 6e-3 as a string
+
+
+def test_base_include(tmp_path):
+    write(tmp_path, "train:\n  steps: 100\n  global_batch: 64\n", "base.yaml")
+    p = write(tmp_path, "base: base.yaml\ntrain:\n  steps: 5\n")
+    cfg = load_config(str(p))
+    assert (cfg.train.steps, cfg.train.global_batch) == (5, 64)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optimizer.lrr=1"], "unknown key optimizer.lrr"),
+        (["bogus.x=1"], "unknown key bogus"),
+        (["train.steps=ten"], "train.steps: expected int, got 'ten'"),
+        (["deepspeed.zero_stage=4"], "deepspeed.zero_stage: expected one of 0 | 1 | 2 | 3, got 4"),
+        (
+            ["train.global_batch=30", "train.micro_batch=8"],
+            "train.global_batch=30 is not a multiple of train.micro_batch=8",
+        ),
+        (["deepspeed.offload_param=true"], "deepspeed.offload_param needs deepspeed.zero_stage=3"),
+        (["train.steps"], "not of the form section.key=value"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(UserError, match=message.replace("|", r"\|")):
+        load_config(None, overrides)
+
+
+def test_gradient_accumulation_reconciled_once():
+    cfg = load_config(None, ["train.global_batch=65536", "train.micro_batch=64"])
+    assert gradient_accumulation(cfg.train, 8) == 128
+    assert gradient_accumulation(cfg.train, 128 * 8) == 1
+    with pytest.raises(
+        UserError,
+        match=r"train.global_batch=65536 is not divisible by train.micro_batch=64 x data-parallel world size 3 \(= 192\)",
+    ):
+        gradient_accumulation(cfg.train, 3)
+    cfg = load_config(None, ["train.global_batch=64", "train.micro_batch=8", "train.grad_accum=2"])
+    with pytest.raises(UserError, match="train.grad_accum=2 contradicts"):
+        gradient_accumulation(cfg.train, 2)
+
+
+def test_deepspeed_json_generated_from_typed_config():
+    cfg = load_config(None, ["deepspeed.zero_stage=2", "deepspeed.precision=bf16", "train.global_batch=64"])
+    ds = deepspeed_config(cfg, gradient_accumulation(cfg.train, 2), "runs/x")
+    assert ds["train_batch_size"] == 64 and ds["gradient_accumulation_steps"] == 4
+    assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"] == {"enabled": True}
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
+    stage0 = load_config(None, ["deepspeed.zero_stage=0"])
+    assert deepspeed_config(stage0, 4, "runs/x")["zero_optimization"]["stage"] == 1  # BF16 master-weight path
+    fp32 = load_config(None, ["deepspeed.zero_stage=0", "deepspeed.precision=fp32"])
+    assert "bf16" not in deepspeed_config(fp32, 4, "runs/x")
+
+
+RECIPES = sorted(CONFIG_DIR.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_every_shipped_recipe_validates(path):
+    from model.registry import get_spec
+
+    cfg = load_config(str(path))
+    get_spec(cfg.model.name)
+    assert cfg.train.global_batch % cfg.train.micro_batch == 0
+
+
+def run_train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config", "configs/nope.yaml"], "error: config file configs/nope.yaml does not exist"),
+        (["--config", "smoke", "optimizer.lrr=1"], "error: unknown key optimizer.lrr"),
+        (["--config", "smoke", "train.steps=abc"], "error: train.steps: expected int, got 'abc'"),
+        (["--config", "smoke", "train.global_batch=33"], "error: train.global_batch=33 is not a multiple"),
+        (
+            ["--config", "smoke", "model.name=bert-huge", "data.train=/nonexistent"],
+            "error: unknown model 'bert-huge'",
+        ),
+        (["--config", "smoke", "deepspeed.precision=fp16"], "error: deepspeed.precision=fp16 needs a GPU"),
+    ],
+)
+def test_cli_config_errors_are_one_line(args, message):
+    out = run_train(*args)
+    assert out.returncode == 2, out.stderr
+    lines = [
+        line
+        for line in out.stderr.splitlines()
+        if line.strip() and "Warning" not in line and "warn" not in line
+    ]
+    assert lines[-1].startswith(message), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_print_config_shows_deepspeed_json():
+    out = run_train("--config", "smoke", "--print-config", "train.steps=3")
+    assert out.returncode == 0, out.stderr
+    assert '"gradient_accumulation_steps": 4' in out.stdout and '"steps": 3' in out.stdout

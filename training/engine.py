@@ -1,0 +1,117 @@
+"""DeepSpeed set-up: the DeepSpeed JSON config is generated here from the typed config, never kept by hand."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+
+from common.errors import UserError
+from training.config import Config, DeepSpeedSection, LoggingSection
+
+
+def backend_for(section: DeepSpeedSection) -> str:
+    if section.backend != "auto":
+        return section.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def check_precision(section: DeepSpeedSection) -> None:
+    """fp16 needs an accelerator: CPUs do not implement fp16 training kernels (bf16 works)."""
+    if section.precision == "fp16" and not torch.cuda.is_available():
+        raise UserError("deepspeed.precision=fp16 needs a GPU; on CPU use deepspeed.precision=bf16 or fp32")
+
+
+def init_distributed(section: DeepSpeedSection) -> None:
+    """Start the process group (the launcher's env vars, or a single process) with a bounded timeout."""
+    import deepspeed
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    deepspeed.init_distributed(
+        dist_backend=backend_for(section),
+        timeout=datetime.timedelta(seconds=section.timeout_s),
+        verbose=False,
+    )
+
+
+def effective_zero_stage(section: DeepSpeedSection) -> int:
+    """BF16 at stage 0 runs as stage 1.
+
+    DeepSpeed's only BF16 path with FP32 master weights and FP32 gradient accumulation is its BF16 optimizer,
+    which it selects for ZeRO stage 1; plain stage 0 with BF16 would train in pure BF16. On one rank the two
+    stages are the same computation; on several, stage 1 also partitions the optimizer state.
+    """
+    if section.precision == "bf16" and section.zero_stage == 0:
+        return 1
+    return section.zero_stage
+
+
+def deepspeed_config(cfg: Config, grad_accum: int, run_dir: str) -> dict[str, Any]:
+    """The DeepSpeed JSON config for this run (written to RUN_DIR/deepspeed_config.json for reference)."""
+    ds: DeepSpeedSection = cfg.deepspeed
+    stage = effective_zero_stage(ds)
+    zero: dict[str, Any] = {"stage": stage}
+    if stage in (1, 2):
+        zero.update(
+            overlap_comm=ds.overlap_comm and torch.cuda.is_available(),
+            contiguous_gradients=True,
+            reduce_bucket_size=ds.bucket_size,
+            allgather_bucket_size=ds.bucket_size,
+            reduce_scatter=True,
+        )
+    if stage == 3:
+        zero.update(
+            overlap_comm=ds.overlap_comm and torch.cuda.is_available(),
+            contiguous_gradients=True,
+            reduce_bucket_size=ds.bucket_size,
+            stage3_prefetch_bucket_size=ds.bucket_size // 4,
+            stage3_param_persistence_threshold=100_000,
+            stage3_gather_16bit_weights_on_model_save=False,
+        )
+        if ds.mics_shard_size:
+            zero["mics_shard_size"] = ds.mics_shard_size
+        if ds.offload_param:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if ds.offload_optimizer:
+        if stage == 0:
+            raise UserError("deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1")
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch,
+        "gradient_accumulation_steps": grad_accum,
+        "train_batch_size": cfg.train.global_batch,
+        "gradient_clipping": ds.grad_clip,
+        "zero_optimization": zero,
+        "steps_per_print": 10**9,  # we log ourselves
+        "wall_clock_breakdown": False,
+        # Our optimizers (LANS, LAMB, AdamW) are torch optimizers passed to deepspeed.initialize.
+        "zero_allow_untested_optimizer": True,
+        "checkpoint": {"tag_validation": "FAIL"},
+    }
+    if ds.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+        # Gradient accumulation in FP32: BF16 accumulation under ZeRO loses accuracy over many micro-batches.
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    elif ds.precision == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+    config.update(_monitor_config(cfg.logging, run_dir))
+    return config
+
+
+def _monitor_config(logging: LoggingSection, run_dir: str) -> dict[str, Any]:
+    if not logging.tensorboard:
+        return {}
+    return {
+        "tensorboard": {
+            "enabled": True,
+            "output_path": os.path.join(run_dir, "tensorboard"),
+            "job_name": "train",
+        }
+    }
