@@ -45,6 +45,16 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def scalar_attrs(attrs: dict) -> dict:
+    """The shards' scalar attributes as plain JSON values (HDF5 gives numpy scalars)."""
+    out = {}
+    for k, v in attrs.items():
+        v = v.item() if isinstance(v, np.generic) else v
+        if isinstance(v, str | int | float | bool):
+            out[k] = v
+    return out
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -74,14 +84,7 @@ def find_resume_point(cfg: Config, ckpt_dir: Path) -> tuple[Path, str | None]:
                 f"{ckpt_dir} already holds checkpoints and checkpoint.resume=never; use another run.dir"
             )
         return ckpt_dir, None
-    path = Path(resume)
-    if (path / checkpoint.COMPLETE).exists():
-        return path.parent, path.name
-    if path.is_dir():
-        tag = checkpoint.latest_complete(path)
-        if tag:
-            return path, tag
-    raise UserError(f"checkpoint.resume={resume}: no complete checkpoint there")
+    return checkpoint.resolve(Path(resume), "checkpoint.resume")
 
 
 def build_loader(cfg: Config, path: str, kind: str, grad_accum: int, rank: int, world: int, expect: dict):
@@ -178,10 +181,6 @@ def run(cfg: Config) -> int:
     )
     ds_config = deepspeed_config(cfg, grad_accum, str(run_dir))
     resolved = cfg.to_dict()
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(run_dir / "config.json", resolved)
-        atomic_write_json(run_dir / "deepspeed_config.json", ds_config)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
     )
@@ -193,24 +192,12 @@ def run(cfg: Config) -> int:
         "vocab_sha256": vocab_sha,
         "world_size": world,
         "global_batch": cfg.train.global_batch,
+        "data_attrs": scalar_attrs(attrs),
         "config": resolved,
     }
     max_pred = cfg.data.max_pred if kind == "bert" else None
     flops = training_flops_per_token(spec, cfg.data.seq_len, max_pred)
     kind_name = device_kind()
-    wandb_run = None
-    if rank == 0 and cfg.logging.wandb.project:
-        import wandb
-
-        w = cfg.logging.wandb
-        wandb_run = wandb.init(
-            project=w.project,
-            entity=w.entity,
-            name=w.name or cfg.run.name,
-            mode=w.mode,
-            config=resolved,
-            dir=str(run_dir),
-        )
     trainer = Trainer(
         engine,
         loader,
@@ -225,12 +212,12 @@ def run(cfg: Config) -> int:
         ckpt_dir=ckpt_dir,
         ckpt_every=cfg.checkpoint.every,
         ckpt_keep=cfg.checkpoint.keep,
+        stop_at_step=cfg.train.stop_at_step,
         log_every=cfg.logging.every,
         warmup_steps=cfg.logging.warmup_steps,
         eval_every=cfg.train.eval_every,
         eval_batches=cfg.train.eval_batches,
         client_static=client_static,
-        wandb_run=wandb_run,
     )
 
     resume_dir, tag = find_resume_point(cfg, ckpt_dir)
@@ -246,24 +233,35 @@ def run(cfg: Config) -> int:
         trainer.load_client_state(saved)
         log.info(f"resumed from {resume_dir / tag} at step {trainer.state.step}")
     elif cfg.train.init_from:
-        init_dir = Path(cfg.train.init_from)
-        init_tag = (
-            checkpoint.latest_complete(init_dir) if not (init_dir / checkpoint.COMPLETE).exists() else None
-        )
-        if init_tag is None and (init_dir / checkpoint.COMPLETE).exists():
-            init_dir, init_tag = init_dir.parent, init_dir.name
-        if init_tag is None:
-            raise UserError(f"train.init_from={cfg.train.init_from}: no complete checkpoint there")
+        init_dir, init_tag = checkpoint.resolve(Path(cfg.train.init_from), "train.init_from")
         saved = checkpoint.read_client_state(init_dir, init_tag)
         checkpoint.check_compatible(saved, client_static, init_dir / init_tag)
         checkpoint.load(engine, init_dir, init_tag, module_only=True)
         log.info(f"initialised weights from {init_dir / init_tag} (fresh optimizer, step count and schedule)")
     if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(run_dir / "config.json", resolved)
+        atomic_write_json(run_dir / "deepspeed_config.json", ds_config)
         log.info(
             f"{spec.name} | world {world} | micro {cfg.train.micro_batch} x accum {grad_accum} = global "
             f"{cfg.train.global_batch} | seq {cfg.data.seq_len} | ZeRO {cfg.deepspeed.zero_stage} | "
             f"{cfg.deepspeed.precision} | {cfg.optimizer.name} | {kind_name}"
         )
+
+    wandb_run = None
+    if rank == 0 and cfg.logging.wandb.project:
+        import wandb
+
+        w = cfg.logging.wandb
+        wandb_run = wandb.init(
+            project=w.project,
+            entity=w.entity,
+            name=w.name or cfg.run.name,
+            mode=w.mode,
+            config=resolved,
+            dir=str(run_dir),
+        )
+    trainer.wandb_run = wandb_run
 
     perf = trainer.train()
     peak = torch.tensor([float(peak_memory_bytes())])

@@ -63,6 +63,16 @@ def latest_complete(ckpt_dir: Path) -> str | None:
     return tags[-1] if tags else None
 
 
+def resolve(path: Path, what: str) -> tuple[Path, str]:
+    """A checkpoint given as a tag directory or as a checkpoint directory -> (checkpoint dir, complete tag)."""
+    if (path / COMPLETE).exists():
+        return path.parent, path.name
+    tag = latest_complete(path) if path.is_dir() else None
+    if tag is None:
+        raise UserError(f"{what}={path}: no complete checkpoint there")
+    return path, tag
+
+
 def rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():

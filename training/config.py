@@ -101,6 +101,9 @@ class TrainSection:
     """Evaluate every K steps (0: only at the end when data.eval is set)."""
     eval_batches: int = 8
     """Micro-batches per rank per evaluation."""
+    stop_at_step: int = 0
+    """Save a checkpoint and exit after this step (0: off), like Megatron's --exit-interval for time-boxed
+    jobs; the next start resumes and finishes the same schedule."""
     init_from: str | None = None
     """Phase 2: start from this checkpoint's weights with a fresh optimizer, step count and schedule."""
 

@@ -104,6 +104,7 @@ class Trainer:
         ckpt_dir: Path,
         ckpt_every: int,
         ckpt_keep: int,
+        stop_at_step: int = 0,
         log_every: int,
         warmup_steps: int,
         eval_every: int,
@@ -124,6 +125,7 @@ class Trainer:
         self.ckpt_dir = ckpt_dir
         self.ckpt_every = ckpt_every
         self.ckpt_keep = ckpt_keep
+        self.stop_at_step = stop_at_step
         self.log_every = log_every
         self.eval_every = eval_every
         self.eval_batches = eval_batches
@@ -274,7 +276,7 @@ class Trainer:
         self._start_step = self.state.step
         self.window.warmup_steps = self.state.step + self.window.warmup_steps
         wall0 = time.perf_counter()
-        preempted = False
+        preempted = stopped_early = False
         last_saved = self.state.step
         while self.state.step < self.steps:
             self.window.begin_if_due(self.state.step)
@@ -292,12 +294,16 @@ class Trainer:
             if self.ckpt_every and step % self.ckpt_every == 0 and step < self.steps:
                 self.save()
                 last_saved = step
+            if step == self.stop_at_step:
+                log.info(f"train.stop_at_step={step}: saving and exiting")
+                stopped_early = True
+                break
             if self.stop.agreed():
                 preempted = True
                 log.warning(f"SIGTERM: stopping after step {step}")
                 break
         perf = self._performance()
-        if not preempted and (self.eval_loader is not None):
+        if not (preempted or stopped_early) and self.eval_loader is not None:
             self.last_eval = self.evaluate()
             if self.last_eval:
                 log.info("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items()))
