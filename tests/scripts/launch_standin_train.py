@@ -1,0 +1,118 @@
+"""Stand-in for train.py in the launch tests, honouring the same contract until train.py exists.
+
+``deepspeed --num_gpus W launch_standin_train.py --config X.yaml run.dir=D train.steps=N run.threads_per_rank=T``
+trains a small MLP with real DeepSpeed (data parallel over W CPU ranks, gloo all-reduce of the gradients), times
+the steps after a warm-up, and writes ``D/summary.json`` with the keys ``launch.report`` reads, then calls
+``launch.report.annotate_efficiency``. Only the model is a stand-in; launcher, ranks and collectives are real.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    cfg = yaml.safe_load(Path(args.config).read_text())
+    for ov in args.overrides:  # dotted key=value, YAML-typed
+        key, val = ov.split("=", 1)
+        node = cfg
+        *parents, leaf = key.split(".")
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = yaml.safe_load(val)
+
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+
+    from common.atomic import atomic_write_json
+    from launch.report import annotate_efficiency
+    from training.metrics import config_fingerprint, throughput
+
+    threads = int(cfg["run"].get("threads_per_rank", 1))
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    deepspeed.init_distributed(verbose=False)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    t = cfg["train"]
+    micro, gbatch, seq, hidden = t["micro_batch"], t["global_batch"], t["seq_len"], cfg["model"]["hidden"]
+    if gbatch % (micro * world):
+        raise SystemExit(
+            f"train.global_batch {gbatch} is not a multiple of micro_batch {micro} x world {world}"
+        )
+    accum = gbatch // (micro * world)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden)
+    )
+    ds_cfg = {
+        "train_batch_size": gbatch,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "zero_optimization": {"stage": 0},
+    }
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3), config=ds_cfg
+    )
+    x = torch.randn(micro, seq, hidden)
+    warmup, steps = t.get("warmup_steps", 2), t["steps"]
+    t0 = 0.0
+    for step in range(steps):
+        if step == warmup:
+            dist.barrier()
+            t0 = time.perf_counter()
+        for _ in range(accum):
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    tp = throughput((steps - warmup) * gbatch, seconds, seq, world)
+    if rank == 0:
+        run_dir = Path(cfg["run"]["dir"])
+        resolved = dict(cfg, world_size=world)
+        summary = {
+            "model": "standin-mlp",
+            "family": "standin",
+            "world_size": world,
+            "nodes": int(os.environ.get("CROSS_SIZE", "1")),
+            "device_kind": "cpu",
+            "device_count": world,
+            "threads_per_rank": threads,
+            "precision": "fp32",
+            "zero_stage": 0,
+            "micro_batch": micro,
+            "global_batch": gbatch,
+            "grad_accum": accum,
+            "seq_len": seq,
+            "steps": steps,
+            "sequences_per_sec": tp.sequences_per_sec,
+            "tokens_per_sec": tp.tokens_per_sec,
+            "sequences_per_sec_per_device": tp.sequences_per_sec_per_device,
+            "tokens_per_sec_per_device": tp.tokens_per_sec_per_device,
+            "wall_time_s": seconds,
+            "host": socket.gethostname(),
+            "fingerprint": config_fingerprint(resolved),
+            "config": resolved,
+        }
+        atomic_write_json(run_dir / "summary.json", summary)
+        annotate_efficiency(run_dir, run_dir.parent)
+    dist.barrier()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Job templates: valid shell and JSON, values quoted, and no shell injection from paths or arguments."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from launch.commbench import free_port
+from tests.conftest import REPO, run_env
+
+EVIL = "x; touch {canary}"
+
+
+def render(tmp_path: Path, kind: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "launch", "render", kind, *args], cwd=REPO, env=run_env(),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def dry_env(tmp_path: Path) -> dict[str, str]:
+    env = run_env()
+    env["PATH"] = os.path.dirname(sys.executable) + ":/usr/bin:/bin"  # python of the venv; no srun/scontrol
+    env["WP_DRY_RUN"] = "1"
+    return env
+
+
+@pytest.mark.parametrize("mode", ["ssh", "srun"])
+def test_slurm_script_is_valid_and_injection_safe(tmp_path: Path, mode: str) -> None:
+    canary = tmp_path / "pwned"
+    evil = EVIL.format(canary=canary)
+    out = tmp_path / "job.sbatch"
+    r = render(tmp_path, "slurm", "--config", evil, "--nodes", "2", "--mode", mode, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert shlex.quote(evil) in text and "#SBATCH --nodes=2" in text and "{{" not in text
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+    env = dry_env(tmp_path)
+    env.update(SLURM_JOB_NODELIST="node[01-02]", WP_JOB_DIR=str(tmp_path / "job"), SLURM_NODEID="0")
+    run = subprocess.run(["bash", str(out), "extra=$(touch " + str(canary) + ")"], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert not canary.exists()
+    ds_line = [line for line in run.stdout.splitlines() if line.startswith("deepspeed ")][-1]
+    argv = shlex.split(ds_line)
+    assert argv[argv.index("--config") + 1] == evil  # one argument, intact
+    assert argv[-1] == "extra=$(touch " + str(canary) + ")"
+    assert argv[argv.index("--master_addr") + 1] == "node01"
+    if mode == "srun":
+        assert argv[1:4] == ["--no_ssh", "--node_rank", "0"]
+    assert (tmp_path / "job" / "hostfile").read_text() == "node01 slots=8\nnode02 slots=8\n"
+    assert "FI_PROVIDER=efa" in (tmp_path / "job" / "deepspeed_env").read_text()
+
+
+def test_deepspeed_command_is_quoted(tmp_path: Path) -> None:
+    canary = tmp_path / "pwned"
+    out = tmp_path / "run.sh"
+    hostfile = str(tmp_path / "my hosts")
+    r = render(
+        tmp_path,
+        "deepspeed",
+        "--config",
+        EVIL.format(canary=canary),
+        "--hostfile",
+        hostfile,
+        "--out",
+        str(out),
+    )
+    assert r.returncode == 0, r.stderr
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+    exec_line = [line for line in out.read_text().splitlines() if line.startswith("exec deepspeed")][0]
+    argv = shlex.split(exec_line)
+    assert argv[argv.index("--hostfile") + 1] == hostfile
+    assert argv[argv.index("--config") + 1] == EVIL.format(canary=canary)
+
+
+def test_bad_job_name_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "job.sbatch"
+    r = render(tmp_path, "slurm", "--config", "c.yaml", "--job-name", "a\n#SBATCH --x", "--out", str(out))
+    assert r.returncode == 2 and r.stderr.startswith("error: --job-name") and not out.exists()
+
+
+def test_awsbatch_job_definition_and_entrypoint(tmp_path: Path) -> None:
+    out = tmp_path / "jobdef.json"
+    r = render(tmp_path, "awsbatch", "--config", "configs/bert.yaml", "--nodes", "4", "--image", "acct.dkr.ecr/x:1",
+               "--out", str(out), "--", "train.steps=10")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    jd = json.loads(out.read_text())
+    nodes = jd["nodeProperties"]
+    assert jd["type"] == "multinode" and nodes["numNodes"] == 4 and nodes["mainNode"] == 0
+    c = nodes["nodeRangeProperties"][0]["container"]
+    assert c["instanceType"] == "p5.48xlarge" and {"type": "GPU", "value": "8"} in c["resourceRequirements"]
+    assert len(c["linuxParameters"]["devices"]) == 32  # p5.48xlarge: 32 EFA interfaces
+    assert c["linuxParameters"]["devices"][0]["hostPath"] == "/dev/infiniband/uverbs0"
+    assert {"name": "memlock", "softLimit": -1, "hardLimit": -1} in c["ulimits"]
+    assert c["command"][-1] == "train.steps=10"
+    assert "{{" not in out.read_text()
+    entry = tmp_path / "awsbatch_entrypoint.sh"
+    assert subprocess.run(["bash", "-n", str(entry)]).returncode == 0
+
+
+def test_awsbatch_entrypoint_two_nodes_register_and_get_ranks(tmp_path: Path) -> None:
+    """Run the rendered entrypoint on two "nodes" (loopback addresses), dry-run: real registration, printed launch."""
+    canary = tmp_path / "pwned"
+    evil = EVIL.format(canary=canary)
+    r = render(tmp_path, "awsbatch", "--config", evil, "--nodes", "2", "--image", "img", "--repo", str(REPO),
+               "--out", str(tmp_path / "jd.json"))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    entry = tmp_path / "awsbatch_entrypoint.sh"
+    port = str(free_port())
+    procs = []
+    for index, ip in ((1, "127.0.0.2"), (0, "127.0.0.1")):
+        env = dry_env(tmp_path)
+        env.update(AWS_BATCH_JOB_NUM_NODES="2", AWS_BATCH_JOB_NODE_INDEX=str(index), AWS_BATCH_JOB_MAIN_NODE_INDEX="0",
+                   WP_NODE_IP=ip, WP_REGISTRATION_PORT=port, WP_WORK=str(tmp_path / f"work{index}"))  # fmt: skip
+        if index:
+            env["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = "127.0.0.1"
+        procs.append(subprocess.Popen(["bash", str(entry), "a=1"], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert not canary.exists()
+    for (stdout, _), rank in zip(outs, (1, 0)):
+        argv = shlex.split([line for line in stdout.splitlines() if line.startswith("deepspeed ")][-1])
+        assert argv[1:4] == ["--no_ssh", "--node_rank", str(rank)]
+        assert argv[argv.index("--master_addr") + 1] == "127.0.0.1"
+        assert argv[argv.index("--config") + 1] == evil and argv[-1] == "a=1"
+    assert (tmp_path / "work1" / "hostfile").read_text() == "127.0.0.1 slots=8\n127.0.0.2 slots=8\n"
