@@ -8,6 +8,7 @@ python train.py --config X --print-config # resolved config and the generated De
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -53,6 +54,37 @@ def scalar_attrs(attrs: dict) -> dict:
         if isinstance(v, str | int | float | bool):
             out[k] = v
     return out
+
+
+def schedule_kwargs(cfg: Config) -> dict:
+    """The schedule section's fields that the chosen schedule function takes, plus the total steps."""
+    import inspect
+
+    from training.schedules import SCHEDULES
+
+    fields = {**dataclasses.asdict(cfg.schedule), "total_steps": cfg.train.steps}
+    accepted = inspect.signature(SCHEDULES[cfg.schedule.kind]).parameters
+    return {k: v for k, v in fields.items() if k in accepted and k != "step"}
+
+
+def write_replica_digest(run_dir: Path, module: torch.nn.Module, rank: int, world: int) -> None:
+    """Each rank records a hash of its parameters and where it ran: a cheap cross-node consistency check."""
+    import socket
+
+    from common.net import own_address
+
+    h = hashlib.sha256()
+    for name, p in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    info = {
+        "rank": rank,
+        "world_size": world,
+        "host": socket.gethostname(),
+        "params_sha256": h.hexdigest(),
+        "address": own_address(os.environ.get("MASTER_ADDR", "127.0.0.1")),
+    }
+    atomic_write_json(run_dir / "replicas" / f"rank{rank}.json", info)
 
 
 def seed_everything(seed: int) -> None:
@@ -110,15 +142,15 @@ def build_loader(cfg: Config, path: str, kind: str, grad_accum: int, rank: int, 
 def run(cfg: Config) -> int:
     import deepspeed
     import torch.distributed as dist
-    from training.lans import attach_zero, build_optimizer, param_groups
-    from training.schedules import build_scheduler
 
     from model.build import build_model
     from model.flops import device_kind, peak_flops, training_flops_per_token
     from model.registry import get_spec, spec_to_dict
     from training import checkpoint
     from training.engine import check_precision, deepspeed_config, init_distributed
+    from training.lans import attach_zero, build_optimizer, param_groups
     from training.metrics import config_fingerprint
+    from training.schedules import build_scheduler
     from training.trainer import Trainer, exit_code, peak_memory_bytes
 
     t_start = time.perf_counter()
@@ -169,16 +201,7 @@ def run(cfg: Config) -> int:
         eps=opt.eps,
         weight_decay=opt.weight_decay,
     )
-    sch = cfg.schedule
-    scheduler = build_scheduler(
-        optimizer,
-        sch.kind,
-        total_steps=cfg.train.steps,
-        warmup=sch.warmup,
-        constant=sch.constant,
-        degree=sch.degree,
-        min_ratio=sch.min_ratio,
-    )
+    scheduler = build_scheduler(optimizer, cfg.schedule.kind, **schedule_kwargs(cfg))
     ds_config = deepspeed_config(cfg, grad_accum, str(run_dir))
     resolved = cfg.to_dict()
     engine, _, _, _ = deepspeed.initialize(
@@ -264,6 +287,8 @@ def run(cfg: Config) -> int:
     trainer.wandb_run = wandb_run
 
     perf = trainer.train()
+    if cfg.deepspeed.zero_stage < 3:  # replicas hold full parameters: they must agree bit for bit
+        write_replica_digest(run_dir, engine.module, rank, world)
     peak = torch.tensor([float(peak_memory_bytes())])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
+from common.net import own_address
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 PUBLISHED_ROW_BYTES = 32 * 1024 * 1024
@@ -94,15 +95,6 @@ def fmt_bytes(n: int) -> str:
         if n >= div and n % div == 0:
             return f"{n // div}{unit}"
     return f"{n}B"
-
-
-def _own_address(master_addr: str) -> str:
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((master_addr, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return "unknown"
 
 
 class _Collectives:
@@ -222,7 +214,7 @@ def run_rank(args: argparse.Namespace) -> int:
         "world_size": world,
         "local_rank": local_rank,
         "hostname": socket.gethostname(),
-        "address": _own_address(master),
+        "address": own_address(master),
         "node_rank": int(os.environ.get("CROSS_RANK", os.environ.get("GROUP_RANK", "0"))),
         "pid": os.getpid(),
         "backend": dist.get_backend() if hasattr(dist, "get_backend") else accel.communication_backend_name(),

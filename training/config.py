@@ -74,16 +74,16 @@ class OptimizerSection:
 
 @dataclass
 class ScheduleSection:
-    kind: Literal["poly", "warmup_constant_decay", "cosine", "constant"] = "poly"
-    """poly: NVIDIA PolyWarmUp; warmup_constant_decay: the Gaudi recipes; cosine: GPT-NeoX."""
+    kind: Literal["poly_warmup", "warmup_constant_decay", "cosine_warmup"] = "poly_warmup"
+    """poly_warmup: NVIDIA PolyWarmUp; warmup_constant_decay: the Gaudi recipes; cosine_warmup: GPT-NeoX."""
     warmup: float = 0.01
     """Warmup as a fraction of train.steps."""
     constant: float = 0.0
     """warmup_constant_decay: constant phase as a fraction of train.steps."""
     degree: float = 0.5
-    """poly: decay exponent."""
+    """poly_warmup: decay exponent."""
     min_ratio: float = 0.0
-    """Final lr as a fraction of optimizer.lr (cosine, warmup_constant_decay)."""
+    """Final lr as a fraction of optimizer.lr (cosine_warmup, warmup_constant_decay)."""
 
 
 @dataclass

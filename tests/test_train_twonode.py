@@ -1,0 +1,104 @@
+"""A real two-node job: train.py across two network namespaces, then node 1 dies and the job restarts.
+
+Node 0 (10.77.0.1) and node 1 (10.77.0.2) each run their own DeepSpeed launcher with ``--no_ssh --node_rank R``
+and one hostfile; the run directory is shared, as on a cluster with a shared filesystem.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_env
+from tests.netns import kill_namespace_processes, two_nodes, unavailable_reason
+from tests.test_train import bert_data, losses  # noqa: F401  (session fixture and helper)
+
+pytestmark = pytest.mark.slow
+
+_REASON = unavailable_reason()
+if _REASON:
+    pytest.skip(f"two-node tests need network namespaces: {_REASON}", allow_module_level=True)
+
+PORT = 29511
+
+
+def start(node, rank: int, master: str, hostfile: Path, args: list[str], log: Path) -> subprocess.Popen:
+    env = {**run_env(), "GLOO_SOCKET_IFNAME": node.ifname}
+    cmd = node.cmd(
+        sys.executable, "-m", "deepspeed.launcher.runner", "--no_ssh", "--node_rank", str(rank),
+        "--master_addr", master, "--master_port", str(PORT), "--hostfile", str(hostfile), "train.py", *args,
+    )  # fmt: skip
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    deadline = time.monotonic() + timeout
+    out = []
+    for p in procs:
+        try:
+            out.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            out.append(None)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return out
+
+
+def train_args(data, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--config", "smoke", f"run.dir={run_dir}", f"data.train={data['train']}", f"data.eval={data['eval']}",
+        f"data.vocab={data['vocab']}", "train.global_batch=16", "train.micro_batch=4", "logging.every=1",
+        "train.eval_every=0", "train.eval_batches=2", "deepspeed.zero_stage=2", "deepspeed.timeout_s=60", *extra,
+    ]  # fmt: skip
+
+
+def test_two_node_training_then_node_failure_and_restart(bert_data, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    with two_nodes("t") as (n0, n1):
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text(f"{n0.addr} slots=1\n{n1.addr} slots=1\n")
+        logs = [tmp_path / f"node{r}.log" for r in range(2)]
+
+        # 1. A short run across both nodes: world size 2, ZeRO-2, replicas identical afterwards.
+        args = train_args(bert_data, run_dir, "train.steps=4", "checkpoint.every=2")
+        rcs = wait([start(n, r, n0.addr, hostfile, args, logs[r]) for r, n in enumerate((n0, n1))], 300)
+        assert rcs == [0, 0], [log.read_text()[-3000:] for log in logs]
+        replicas = [json.loads((run_dir / "replicas" / f"rank{r}.json").read_text()) for r in range(2)]
+        assert [r["world_size"] for r in replicas] == [2, 2]
+        assert {r["address"] for r in replicas} == {n0.addr, n1.addr}  # both nodes took part
+        assert replicas[0]["params_sha256"] == replicas[1]["params_sha256"]  # gradients were synchronised
+        assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+
+        # 2. A long continuation; node 1 dies mid-run: node 0 must exit within a bounded time, not hang.
+        args = train_args(bert_data, run_dir, "train.steps=100000", "checkpoint.every=2")
+        procs = [start(n, r, n0.addr, hostfile, args, logs[r]) for r, n in enumerate((n0, n1))]
+        deadline = time.monotonic() + 240
+        while max(losses(run_dir)) < 8:  # past at least one new checkpoint
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()[
+                -3000:
+            ]
+            time.sleep(0.5)
+        assert kill_namespace_processes(n1)
+        t0 = time.monotonic()
+        rc0 = wait(procs[:1], 90)[0]
+        elapsed = time.monotonic() - t0
+        wait(procs[1:], 10)
+        assert rc0 not in (0, None), logs[0].read_text()[-3000:]
+        assert elapsed < 90
+        last = (run_dir / "checkpoints" / "latest").read_text().strip()
+        last_step = int(last.removeprefix("step"))
+        assert last_step >= 6
+
+        # 3. Restart on both nodes: resumes from the last complete checkpoint.
+        args = train_args(bert_data, run_dir, f"train.steps={last_step + 2}", "checkpoint.every=2")
+        rcs = wait([start(n, r, n0.addr, hostfile, args, logs[r]) for r, n in enumerate((n0, n1))], 300)
+        text = logs[0].read_text()
+        assert rcs == [0, 0], text[-3000:]
+        assert f"resumed from {run_dir / 'checkpoints' / last}" in text
