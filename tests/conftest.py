@@ -46,3 +46,24 @@ def shared_neox_tokenizer() -> Path:
     if not p.exists():
         pytest.skip(f"GPT-NeoX tokenizer not found at {p} (../shared is absent in a user's clone)")
     return p
+
+
+WIKI_FIXTURE_SHARDS = 4
+
+
+@pytest.fixture(scope="session")
+def wiki_text_dir(tmp_path_factory, sample_dump) -> Path:
+    """The enwiki sample extracted once per session (2 worker processes, 4 shards) by ``data.wiki``."""
+    from data.wiki import extract_dump
+
+    out = tmp_path_factory.mktemp("wikitext") / "text"
+    extract_dump([sample_dump], out, workers=2, shards=WIKI_FIXTURE_SHARDS)
+    return out
+
+
+@pytest.fixture(scope="session")
+def wiki_vocab(tmp_path_factory, wiki_text_dir) -> Path:
+    """An 8000-entry uncased WordPiece ``vocab.txt`` (bert-base layout of special tokens) built on the sample."""
+    from data.vocab import train_wordpiece
+
+    return train_wordpiece(wiki_text_dir, tmp_path_factory.mktemp("vocab") / "vocab.txt", 8000)
