@@ -253,6 +253,7 @@ def run(cfg: Config) -> int:
                 "resuming on a different world size is not supported yet"
             )
         checkpoint.load(engine, resume_dir, tag)
+        attach_zero(engine)  # the per-tensor layout is rebuilt from DeepSpeed's links after a load
         trainer.load_client_state(saved)
         log.info(f"resumed from {resume_dir / tag} at step {trainer.state.step}")
     elif cfg.train.init_from:

@@ -153,10 +153,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ steps
     def _next_batch(self) -> dict[str, torch.Tensor]:
-        if self._iter is None:
-            self._iter = iter(self.loader)
         t0 = time.perf_counter()
-        batch = next(self._iter)
+        # Loading must not touch the global RNG that dropout draws from: starting the loader's workers
+        # draws a base seed, and a resumed run starts them at a different step than an uninterrupted one.
+        with torch.random.fork_rng(devices=[]):
+            if self._iter is None:
+                self._iter = iter(self.loader)
+            batch = next(self._iter)
         self.window.data_wait += time.perf_counter() - t0
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
