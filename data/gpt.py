@@ -1,0 +1,354 @@
+"""``python -m data gpt``: documents -> one token stream with end-of-document tokens -> packed HDF5 windows.
+
+Convention (Megatron / GPT-NeoX): sample i holds ``seq_len + 1`` tokens, ``stream[i*seq_len : (i+1)*seq_len + 1]``;
+the model reads ``[:-1]`` as inputs and ``[1:]`` as targets, so consecutive samples overlap by one token
+and no target is lost. There is no padding; the tail of each shard's stream that does not fill a window
+is dropped and counted. Each output shard packs its own input shard (bounded memory, independent
+workers), so at most ``seq_len`` tokens per shard are dropped.
+
+Documents come from NVIDIA-layout text (``--text``: a document's sentences joined with single spaces)
+or from local json/jsonl/parquet/text files read by ``datasets`` in streaming mode (``--dataset``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from common.atomic import atomic_path
+from common.errors import UserError
+from common.log import get_logger
+from data import h5format
+from data.tokenize_text import AUTO_SHARD_BYTES, InputShard, list_text_files, plan_shards, read_lines
+
+log = get_logger("data.gpt")
+EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>")
+DOC_BATCH = 512
+DATASET_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", help="text dir (or .txt file) in NVIDIA's layout")
+    src.add_argument(
+        "--dataset", help="local json/jsonl/parquet/txt file, directory or glob (read with `datasets`)"
+    )
+    p.add_argument("--text-field", default="text", help="record field holding the document (--dataset)")
+    p.add_argument("--tokenizer", required=True, help="tokenizers tokenizer.json with an <|endoftext|> token")
+    p.add_argument("--out", required=True, help="output dir for gpt-NNNNN.h5 shards and manifest.json")
+    p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample is seq_len + 1")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument(
+        "--shards", type=int, default=0, help="number of output shards (0: one per 32 MiB of text)"
+    )
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """Load tokenizer.json and find its end-of-document id (error naming the file when there is none)."""
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{p}: tokenizer file does not exist")
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as e:  # the Rust side raises a plain Exception on bad JSON
+        raise UserError(f"{p}: not a `tokenizers` tokenizer.json ({str(e).splitlines()[0]})") from None
+    for name in EOD_TOKENS:
+        eod = tok.token_to_id(name)
+        if eod is not None:
+            return tok, int(eod), name
+    raise UserError(f"{p}: tokenizer has no end-of-document token (looked for {', '.join(EOD_TOKENS)})")
+
+
+def token_dtype(vocab_size: int) -> str:
+    return "u2" if vocab_size < 65536 else "i4"
+
+
+def text_documents(shard: InputShard) -> Iterator[str]:
+    """Documents of an NVIDIA-layout shard: sentences joined by a space, a blank line ends a document."""
+    cur: list[str] = []
+    for lines in read_lines(shard):
+        for ln in lines:
+            if ln:
+                cur.append(ln)
+            elif cur:
+                yield " ".join(cur)
+                cur = []
+    if cur:
+        yield " ".join(cur)
+
+
+def tokenize_stream(tok, docs: Iterator[str], eod: int) -> tuple[np.ndarray, int]:
+    """Batch-encode documents; each is followed by the EOD id; returns (int64 stream, documents)."""
+    parts: list[np.ndarray] = []
+    n_docs = 0
+    batch: list[str] = []
+
+    def flush() -> None:
+        encs = (
+            tok.encode_batch_fast(batch, add_special_tokens=False)
+            if hasattr(tok, "encode_batch_fast")
+            else tok.encode_batch(batch, add_special_tokens=False)
+        )
+        for e in encs:
+            parts.append(np.asarray(e.ids, dtype=np.int64))
+            parts.append(np.array([eod], dtype=np.int64))
+        batch.clear()
+
+    for d in docs:
+        if not d.strip():
+            continue
+        batch.append(d)
+        n_docs += 1
+        if len(batch) >= DOC_BATCH:
+            flush()
+    if batch:
+        flush()
+    stream = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return stream, n_docs
+
+
+def pack(stream: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
+    """Windows of seq_len + 1 tokens with a one-token overlap; returns (view [N, seq_len+1], dropped tokens)."""
+    n = max(0, (len(stream) - 1) // seq_len)
+    if n == 0:
+        return np.zeros((0, seq_len + 1), dtype=stream.dtype), len(stream)
+    win = np.lib.stride_tricks.sliding_window_view(stream, seq_len + 1)[::seq_len][:n]
+    return win, len(stream) - (n * seq_len + 1)
+
+
+def _shard_task(
+    index: int,
+    source: InputShard | list[str],
+    describe: str,
+    out_file: str,
+    tokenizer: str,
+    seq_len: int,
+    attrs: dict[str, Any],
+    tok_threads: int,
+) -> dict[str, Any]:
+    if tok_threads:
+        os.environ.setdefault("RAYON_RS_NUM_CPUS", str(tok_threads))
+    t0 = time.perf_counter()
+    tok, eod, _ = load_tokenizer(tokenizer)
+    docs = text_documents(source) if isinstance(source, InputShard) else iter(source)
+    stream, n_docs = tokenize_stream(tok, docs, eod)
+    win, dropped = pack(stream, seq_len)
+    dtype = token_dtype(int(attrs["vocab_size"]))
+    with atomic_path(out_file) as tmp, h5py.File(tmp, "w") as f:
+        h5format.write_attrs(
+            f,
+            {
+                **attrs,
+                "shard_index": index,
+                "source": describe,
+                "num_samples": len(win),
+                "dropped_tokens": dropped,
+            },
+        )
+        ds = h5format.create_dataset(f, "input_ids", win.shape, dtype)
+        for s in range(0, len(win), 1024):
+            ds[s : s + 1024] = win[s : s + 1024].astype(dtype)
+    return {
+        "index": index,
+        "file": Path(out_file).name,
+        "samples": len(win),
+        "documents": n_docs,
+        "tokens": int(len(stream)),
+        "dropped_tokens": int(dropped),
+        "source": describe,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+def _dataset_files(spec: str) -> list[Path]:
+    p = Path(spec)
+    if p.is_file():
+        files = [p]
+    elif p.is_dir():
+        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in DATASET_BUILDERS)
+    else:
+        import glob
+
+        files = sorted(Path(f) for f in glob.glob(spec) if Path(f).is_file())
+    if not files:
+        raise UserError(f"{spec}: no such dataset file, directory or glob match")
+    bad = [f for f in files if f.suffix not in DATASET_BUILDERS]
+    if bad:
+        raise UserError(f"{bad[0]}: unsupported dataset file type (use {', '.join(DATASET_BUILDERS)})")
+    kinds = {DATASET_BUILDERS[f.suffix] for f in files}
+    if len(kinds) > 1:
+        raise UserError(f"{spec}: mixes dataset file types {sorted(kinds)}; give one type at a time")
+    return files
+
+
+def dataset_documents(spec: str, field: str) -> Iterator[str]:
+    """Stream documents from local files through `datasets` (never from a hub)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from datasets import load_dataset
+
+    files = _dataset_files(spec)
+    builder = DATASET_BUILDERS[files[0].suffix]
+    try:
+        ds = load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True)
+        for rec in ds:
+            if field not in rec:
+                raise UserError(
+                    f"{spec}: record has no field {field!r} (fields: {', '.join(rec)}); use --text-field"
+                )
+            val = rec[field]
+            if val is None:
+                continue
+            if not isinstance(val, str):
+                raise UserError(f"{spec}: field {field!r} holds {type(val).__name__}, expected text")
+            yield val
+    except UserError:
+        raise
+    except Exception as e:  # pyarrow/json parse errors
+        raise UserError(f"{spec}: cannot read as {builder} ({str(e).splitlines()[0][:200]})") from None
+
+
+def _dataset_shards(spec: str, field: str, shards: int) -> Iterator[tuple[int, list[str], str]]:
+    """Group streamed documents into shards of about equal text size (a counting pass when --shards N)."""
+    if shards > 0:
+        total = sum(len(d.encode("utf-8")) for d in dataset_documents(spec, field))
+        target = max(1, total / shards)
+    else:
+        target = AUTO_SHARD_BYTES
+    cur: list[str] = []
+    cur_bytes, index, first = 0, 0, 0
+    n = 0
+    for d in dataset_documents(spec, field):
+        cur.append(d)
+        cur_bytes += len(d.encode("utf-8"))
+        n += 1
+        if cur_bytes >= target and (shards <= 0 or index < shards - 1):
+            yield index, cur, f"{Path(spec).name}:records {first}-{n}"
+            index, cur, cur_bytes, first = index + 1, [], 0, n
+    if cur:
+        yield index, cur, f"{Path(spec).name}:records {first}-{n}"
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    if args.seq_len < 1:
+        raise UserError(f"--seq-len {args.seq_len}: must be >= 1")
+    if args.workers < 1:
+        raise UserError(f"--workers {args.workers}: must be >= 1")
+    if args.shards < 0:
+        raise UserError(f"--shards {args.shards}: must be >= 0 (0 = automatic)")
+    tok, eod, eod_name = load_tokenizer(args.tokenizer)
+    vocab_size = tok.get_vocab_size(with_added_tokens=True)
+    out = Path(args.out)
+    if args.text:
+        plan = plan_shards(list_text_files(args.text), args.shards)
+        sources: Iterator[tuple[int, Any, str]] = iter([(sh.index, sh, sh.describe()) for sh in plan])
+        source_name = str(args.text)
+    else:
+        # fail before writing anything on a missing path, an unreadable file or a missing field
+        if next(dataset_documents(args.dataset, args.text_field), None) is None:
+            raise UserError(f"{args.dataset}: empty corpus (no records with field {args.text_field!r})")
+        sources = _dataset_shards(args.dataset, args.text_field, args.shards)
+        source_name = str(args.dataset)
+    h5format.prepare_out_dir(out, args.overwrite)
+    settings = {
+        "seq_len": args.seq_len,
+        "tokenizer_sha256": h5format.sha256_file(args.tokenizer),
+        "tokenizer_file": Path(args.tokenizer).name,
+        "vocab_size": vocab_size,
+        "eod_id": eod,
+        "eod_token": eod_name,
+        "source": source_name,
+    }
+    attrs = {"format": h5format.GPT_FORMAT, "format_version": h5format.FORMAT_VERSION, **settings}
+    tok_threads = max(1, (os.cpu_count() or 1) // args.workers) if args.workers > 1 else 0
+    from tqdm import tqdm
+
+    bar = tqdm(
+        unit="shard", desc="gpt windows", disable=True if args.no_progress else None
+    )  # None: only on a terminal
+    results: list[dict[str, Any]] = []
+    written: list[Path] = []
+    ok = False
+    try:
+        if args.workers <= 1:
+            for index, src, desc in sources:
+                f = out / f"gpt-{index:05d}.h5"
+                written.append(f)
+                results.append(_shard_task(index, src, desc, str(f), args.tokenizer, args.seq_len, attrs, 0))
+                bar.update(1)
+        else:
+            with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as ex:
+                pending: list[Future] = []
+                for index, src, desc in sources:
+                    f = out / f"gpt-{index:05d}.h5"
+                    written.append(f)
+                    pending.append(
+                        ex.submit(
+                            _shard_task,
+                            index,
+                            src,
+                            desc,
+                            str(f),
+                            args.tokenizer,
+                            args.seq_len,
+                            attrs,
+                            tok_threads,
+                        )
+                    )
+                    while (
+                        len([p for p in pending if not p.done()]) > args.workers
+                    ):  # bound memory of queued docs
+                        time.sleep(0.05)
+                for fut in pending:
+                    results.append(fut.result())
+                    bar.update(1)
+        ok = True
+    finally:
+        bar.close()
+        if not ok:
+            for f in written:
+                f.unlink(missing_ok=True)
+    results.sort(key=lambda r: r["index"])
+    total_tokens = sum(r["tokens"] for r in results)
+    total_samples = sum(r["samples"] for r in results)
+    if sum(r["documents"] for r in results) == 0 or total_samples == 0:
+        for f in written:
+            f.unlink(missing_ok=True)
+        if total_tokens == 0:
+            raise UserError(f"{source_name}: empty corpus (no tokens)")
+        raise UserError(
+            f"{source_name}: only {total_tokens} tokens, fewer than one window of --seq-len {args.seq_len} + 1"
+        )
+    h5format.write_manifest(out, "gpt", results, settings)
+    secs = time.perf_counter() - t0
+    dropped = sum(r["dropped_tokens"] for r in results)
+    summary = {
+        "documents": sum(r["documents"] for r in results),
+        "tokens": total_tokens,
+        "samples": total_samples,
+        "dropped_tokens": dropped,
+        "shards": len(results),
+        "seconds": round(secs, 2),
+        "tokens_per_s": round(total_tokens / secs, 1),
+    }
+    print(
+        f"gpt: {summary['documents']} documents, {total_tokens} tokens -> {total_samples} windows of"
+        f" {args.seq_len}+1 in {len(results)} shard(s) under {out}; dropped {dropped} tail tokens"
+        f" ({100 * dropped / max(1, total_tokens):.2f}%) in {secs:.1f}s ({summary['tokens_per_s']:.0f} tokens/s)",
+        flush=True,
+    )
+    args._summary = summary
+    return 0
