@@ -203,6 +203,18 @@ def run(cfg: Config) -> int:
     )
     scheduler = build_scheduler(optimizer, cfg.schedule.kind, **schedule_kwargs(cfg))
     ds_config = deepspeed_config(cfg, grad_accum, str(run_dir))
+    resume_dir, tag = find_resume_point(cfg, ckpt_dir)
+    saved, universal = None, False
+    if tag is not None:
+        saved = checkpoint.read_client_state(resume_dir, tag)
+        if saved["world_size"] != world:
+            if saved["global_batch"] != cfg.train.global_batch:
+                raise UserError(
+                    f"{resume_dir / tag} was trained with train.global_batch={saved['global_batch']}; resuming on "
+                    f"{world} ranks instead of {saved['world_size']} needs the same global batch, got {cfg.train.global_batch}"
+                )
+            tag, universal = checkpoint.to_universal(resume_dir, tag), True
+            ds_config["checkpoint"]["load_universal"] = True
     resolved = cfg.to_dict()
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
@@ -243,17 +255,13 @@ def run(cfg: Config) -> int:
         client_static=client_static,
     )
 
-    resume_dir, tag = find_resume_point(cfg, ckpt_dir)
     if tag is not None:
-        saved = checkpoint.read_client_state(resume_dir, tag)
         checkpoint.check_compatible(saved, client_static, resume_dir / tag)
-        if saved["world_size"] != world:
-            raise UserError(
-                f"{resume_dir / tag} was written by {saved['world_size']} ranks and this run has {world}: "
-                "resuming on a different world size is not supported yet"
-            )
         checkpoint.load(engine, resume_dir, tag)
         attach_zero(engine)  # the per-tensor layout is rebuilt from DeepSpeed's links after a load
+        if universal:
+            # Per-rank RNG streams cannot carry over to another world size: re-seed them from the step.
+            seed_everything(cfg.train.seed + 1000 * rank + saved["step"])
         trainer.load_client_state(saved)
         log.info(f"resumed from {resume_dir / tag} at step {trainer.state.step}")
     elif cfg.train.init_from:
@@ -325,12 +333,13 @@ def run(cfg: Config) -> int:
             "config": resolved,
         }
         atomic_write_json(run_dir / "summary.json", summary)
-        try:
+        if "sequences_per_sec" in summary:  # too few steps to measure: no efficiency either
             from launch.report import annotate_efficiency
 
-            annotate_efficiency(run_dir, run_dir.parent)
-        except ImportError:
-            pass
+            try:
+                annotate_efficiency(run_dir, run_dir.parent)
+            except UserError as e:  # a sibling run's unreadable summary must not fail this run
+                log.warning(f"no scaling efficiency: {e}")
         shown = {
             k: summary[k]
             for k in ("model", "world_size", "steps", "sequences_per_sec", "tokens_per_sec", "mfu")

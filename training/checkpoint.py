@@ -92,7 +92,20 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
     """Save on every rank; commit (COMPLETE, then ``latest``) only when every rank has written its part."""
     tag = tag_for(step)
     rank = dist.get_rank()
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state={"client": client_state}, save_latest=False)
+    from deepspeed.checkpoint.constants import (
+        UNIVERSAL_CHECKPOINT_INFO,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    )
+
+    # The (empty) universal-checkpoint info lets DeepSpeed's ds_to_universal convert this checkpoint for a
+    # resume on another world size: no tensor- or pipeline-parallel slicing to describe.
+    extra = {
+        UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
+    }
+    engine.save_checkpoint(
+        str(ckpt_dir), tag=tag, client_state={"client": client_state, **extra}, save_latest=False
+    )
     with atomic_path(ckpt_dir / tag / f"rng_rank{rank}.pt") as tmp:
         torch.save(rng_state(), tmp)
     if rank == 0:
@@ -106,6 +119,10 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
         for partial in incomplete_tags(ckpt_dir):
             if partial != tag:
                 shutil.rmtree(ckpt_dir / partial, ignore_errors=True)
+        kept = set(complete_tags(ckpt_dir))
+        for converted in ckpt_dir.glob(UNIVERSAL_PREFIX + "*"):
+            if converted.name.removeprefix(UNIVERSAL_PREFIX) not in kept:
+                shutil.rmtree(converted, ignore_errors=True)
     dist.barrier()
     return tag
 
@@ -118,8 +135,44 @@ def read_client_state(ckpt_dir: Path, tag: str) -> dict[str, Any]:
         raise UserError(f"{path}: unreadable checkpoint client state ({e})") from None
 
 
+UNIVERSAL_PREFIX = "universal-"
+UNIVERSAL_DONE = "UNIVERSAL_COMPLETE"
+
+
+def to_universal(ckpt_dir: Path, tag: str) -> str:
+    """Convert a complete tag to DeepSpeed's universal format (rank 0; every rank waits); returns its tag.
+
+    A universal checkpoint stores each parameter's FP32 weights and optimizer moments whole, so a run with a
+    different data-parallel world size can load it (``checkpoint.load_universal``). DeepSpeed's own
+    ``ds_to_universal`` does the conversion; the result is committed by a marker, so a crash mid-conversion
+    is redone on the next start.
+    """
+    import subprocess
+    import sys
+
+    out_tag = UNIVERSAL_PREFIX + tag
+    out = ckpt_dir / out_tag
+    if dist.get_rank() == 0 and not (out / UNIVERSAL_DONE).exists():
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt_dir / tag),
+               "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]  # fmt: skip
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        (ckpt_dir / "latest_universal").unlink(missing_ok=True)  # we keep our own pointers
+        if res.returncode != 0:
+            shutil.rmtree(out, ignore_errors=True)
+            tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise UserError(f"{ckpt_dir / tag}: conversion to a universal checkpoint failed ({tail[0]})")
+        shutil.copy2(ckpt_dir / tag / "client_state.json", out / "client_state.json")
+        atomic_write_text(out / UNIVERSAL_DONE, "ok\n")
+    dist.barrier()
+    return out_tag
+
+
 def load(engine, ckpt_dir: Path, tag: str, *, module_only: bool = False) -> None:
-    """Load a complete tag into the engine (all ranks); restores this rank's RNG states unless module_only."""
+    """Load a complete tag into the engine (all ranks); restores this rank's RNG states unless module_only.
+
+    A universal tag (another world size) has no per-rank RNG states to restore: the caller re-seeds.
+    """
     load_path, _ = engine.load_checkpoint(
         str(ckpt_dir),
         tag=tag,
@@ -129,7 +182,7 @@ def load(engine, ckpt_dir: Path, tag: str, *, module_only: bool = False) -> None
     )
     if load_path is None:
         raise UserError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint")
-    if not module_only:
+    if not module_only and not tag.startswith(UNIVERSAL_PREFIX):
         rng_file = ckpt_dir / tag / f"rng_rank{dist.get_rank()}.pt"
         if not rng_file.exists():
             raise UserError(f"{rng_file} is missing: this checkpoint was written by a different world size")

@@ -166,6 +166,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step: grad_accum micro-batches, then DeepSpeed's step (clip, optimizer, schedule)."""
         self.engine.train()
+        lr = float(self.engine.get_lr()[0])  # the rate this step's update uses
         loss_sum = torch.zeros((), dtype=torch.float64)
         for _ in range(self.grad_accum):
             out = self.engine(**self._next_batch())
@@ -182,7 +183,7 @@ class Trainer:
         grad_norm = self.engine.get_global_grad_norm()
         return {
             "loss": loss,
-            "lr": float(self.engine.get_lr()[0]),
+            "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
         }
 
