@@ -1,0 +1,199 @@
+"""LANS / LAMB against an independent per-tensor reference written from the papers' formulas."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+
+from common.errors import UserError
+from training.lans import LAMB, LANS, build_optimizer, param_groups
+
+
+class Tiny(torch.nn.Module):
+    """Mixed shapes: embedding, linear with bias, LayerNorm, a parameter initialised to zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 6)
+        self.fc1 = torch.nn.Linear(6, 9)
+        self.LayerNorm = torch.nn.LayerNorm(9)
+        self.fc2 = torch.nn.Linear(9, 3)
+        self.zero = torch.nn.Parameter(torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.LayerNorm(torch.tanh(self.fc1(self.emb(x).mean(1))))
+        return self.fc2(h) + self.zero
+
+
+def reference_step(params, grads, states, *, lr, b1, b2, eps, wd, step, lans: bool):
+    """Straightforward per-tensor float64 LANS / LAMB (Zheng et al. 2020 Alg. 2; You et al. 2019 Alg. 2)."""
+    out = []
+    for w, g, st in zip(params, grads, states):
+        w, g = w.double(), g.double()
+        if lans:
+            gn = g.norm()
+            g = g / (gn + eps) if gn > 0 else g
+        st["m"] = b1 * st["m"] + (1 - b1) * g
+        st["v"] = b2 * st["v"] + (1 - b2) * g * g
+        mh = st["m"] / (1 - b1**step)
+        vh = st["v"] / (1 - b2**step)
+        d = vh.sqrt() + eps
+        r = mh / d + wd * w
+        wn = w.norm()
+
+        def ratio(u, wn=wn):
+            un = u.norm()
+            return wn / un if (wn > 0 and un > 0) else 1.0
+
+        if lans:
+            c = g / d + wd * w
+            w = w - lr * b1 * ratio(r) * r - lr * (1 - b1) * ratio(c) * c
+        else:
+            w = w - lr * ratio(r) * r
+        out.append(w)
+    return out
+
+
+def _grads(model: torch.nn.Module, seed: int) -> None:
+    torch.manual_seed(seed)
+    x = torch.randint(0, 11, (8, 5))
+    model.zero_grad(set_to_none=True)
+    (model(x) ** 2).mean().backward()
+    model.zero.grad.zero_()  # a zero gradient exercises the ||g|| = 0 branch
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+@pytest.mark.parametrize("cls", [LANS, LAMB])
+def test_matches_reference(cls, impl: str) -> None:
+    torch.manual_seed(0)
+    model = Tiny()
+    hp = {"lr": 0.05, "b1": 0.9, "b2": 0.999, "eps": 1e-6}
+    wd = 0.01
+    opt = cls(param_groups(model, wd), lr=hp["lr"], betas=(hp["b1"], hp["b2"]), eps=hp["eps"], impl=impl)
+    ref_params = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    ref_state = {n: {"m": torch.zeros_like(p), "v": torch.zeros_like(p)} for n, p in ref_params.items()}
+    decay = {n for n, p in model.named_parameters() if p.ndim > 1 and "norm" not in n.lower()}
+    for step in range(1, 6):
+        _grads(model, step)
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        opt.step()
+        for n in ref_params:
+            (ref_params[n],) = reference_step(
+                [ref_params[n]],
+                [grads[n]],
+                [ref_state[n]],
+                wd=wd if n in decay else 0.0,
+                step=step,
+                lans=cls is LANS,
+                lr=hp["lr"],
+                b1=hp["b1"],
+                b2=hp["b2"],
+                eps=hp["eps"],
+            )
+        # Compare after every step (same gradients, same moments history).
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.detach().double(), ref_params[n], rtol=2e-5, atol=2e-6, msg=n)
+        # Keep the reference on exactly the model's weights so errors do not compound over steps.
+        ref_params = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    assert any((p.detach() != 0).any() for p in model.parameters())
+
+
+def test_zero_weights_take_unscaled_step() -> None:
+    """||w|| = 0 -> ratio 1: the zero-initialised vector moves by lr*(b1 r + (1-b1) c) exactly."""
+    w = torch.nn.Parameter(torch.zeros(4))
+    w.grad = torch.tensor([1.0, -2.0, 0.5, 0.0])
+    LANS([w], lr=0.1, weight_decay=0.0, impl="foreach").step()
+    ref = reference_step(
+        [torch.zeros(4)],
+        [w.grad],
+        [{"m": 0.0, "v": 0.0}],
+        lr=0.1,
+        b1=0.9,
+        b2=0.999,
+        eps=1e-6,
+        wd=0.0,
+        step=1,
+        lans=True,
+    )[0]
+    torch.testing.assert_close(w.detach().double(), ref, rtol=1e-6, atol=1e-7)
+    assert w.abs().sum() > 0
+
+
+def test_param_groups_exempt_bias_and_norm() -> None:
+    model = Tiny()
+    groups = param_groups(model, 0.01)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in groups[0]["params"]}
+    exempt = {names[id(p)] for p in groups[1]["params"]}
+    assert decayed == {"emb.weight", "fc1.weight", "fc2.weight"}
+    assert {"fc1.bias", "LayerNorm.weight", "LayerNorm.bias", "zero"} <= exempt
+    assert groups[0]["weight_decay"] == 0.01 and groups[1]["weight_decay"] == 0.0
+
+
+@pytest.mark.parametrize("cls", [LANS, LAMB])
+def test_state_dict_round_trip_is_bit_exact(cls) -> None:
+    torch.manual_seed(1)
+    a = Tiny()
+    opt_a = cls(param_groups(a, 0.01), lr=0.02)
+    for s in range(3):
+        _grads(a, s)
+        opt_a.step()
+    buf = io.BytesIO()
+    torch.save({"model": a.state_dict(), "opt": opt_a.state_dict()}, buf)
+    b = Tiny()
+    buf.seek(0)
+    ck = torch.load(buf)
+    b.load_state_dict(ck["model"])
+    opt_b = cls(param_groups(b, 0.01), lr=0.02)
+    opt_b.load_state_dict(ck["opt"])
+    for s in range(3, 6):
+        for m, o in ((a, opt_a), (b, opt_b)):
+            _grads(m, s)
+            o.step()
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa, pb), n
+
+
+def test_bf16_params_keep_fp32_state_and_master() -> None:
+    torch.manual_seed(2)
+    model = Tiny()
+    ref = copy.deepcopy(model)
+    model.to(torch.bfloat16)
+    opt = LANS(param_groups(model, 0.01), lr=0.01, impl="foreach")
+    ref_opt = LANS(param_groups(ref, 0.01), lr=0.01, impl="foreach")
+    for s in range(4):
+        for m in (model, ref):
+            _grads(m, s)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            q.grad = p.grad.float()  # identical gradients; only the parameter dtype differs
+        opt.step()
+        ref_opt.step()
+    st = opt.state[model.fc1.weight]
+    assert st["exp_avg"].dtype == torch.float32 and st["master"].dtype == torch.float32
+    # The fp32 master follows the fp32 run (up to bf16 rounding of the forward); params are its bf16 cast.
+    assert torch.equal(model.fc1.weight, st["master"].to(torch.bfloat16))
+    torch.testing.assert_close(st["master"], ref.fc1.weight.detach(), rtol=2e-2, atol=2e-3)
+    # state survives a round trip as fp32 (torch would cast it to the parameter dtype)
+    sd = opt.state_dict()
+    opt2 = LANS(param_groups(model, 0.01), lr=0.01)
+    opt2.load_state_dict(sd)
+    assert opt2.state[model.fc1.weight]["exp_avg"].dtype == torch.float32
+    assert torch.equal(opt2.state[model.fc1.weight]["master"], st["master"])
+
+
+def test_build_optimizer_and_bad_input() -> None:
+    model = Tiny()
+    for name, cls in (("lans", LANS), ("LAMB", LAMB), ("adamw", torch.optim.AdamW)):
+        opt = build_optimizer(
+            name, param_groups(model, 0.01), lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01
+        )
+        assert isinstance(opt, cls)
+    with pytest.raises(UserError, match="optimizer.name"):
+        build_optimizer("sgdx", model.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.0)
+    with pytest.raises(UserError, match="betas"):
+        LANS(model.parameters(), lr=1e-3, betas=(1.0, 0.9))
+    with pytest.raises(UserError, match="impl"):
+        LANS(model.parameters(), impl="cuda-magic")

@@ -1,0 +1,539 @@
+"""LANS and LAMB with per-tensor trust ratios that stay per-tensor under DeepSpeed ZeRO.
+
+Layer-wise optimizers need the norm of every *whole* tensor (||g||, ||w|| and the update norms). DeepSpeed
+ZeRO-1/2 and its BF16 optimizer hand the wrapped optimizer one flat fp32 partition per parameter group and
+rank, so a naive layer-wise optimizer takes norms over arbitrary slices of concatenated tensors and its result
+changes with the world size. Here every parameter group is described by a *layout*: a list of fragments
+``(start, numel, tensor index)`` of the flat tensor the optimizer sees. Norms are summed per fragment, added
+per tensor, all-reduced over the data-parallel group (one call for ||g||,||w||, one for the two update
+norms), and the per-tensor factors are applied back to the local fragments. Without ZeRO a tensor is its own
+single fragment and no communication happens. ``attach_zero(engine)`` builds the layouts from DeepSpeed's
+own lp->hp fragment links (see ``training/zero_map.py``).
+
+Maths (LANS, Zheng et al. 2020, Algorithm 2), per tensor with gradient g at step t::
+
+    g~ = g / (||g|| + eps)            (g itself when ||g|| = 0)
+    m = b1 m + (1-b1) g~ ;  v = b2 v + (1-b2) g~^2
+    d = sqrt(v / (1-b2^t)) + eps
+    r = m / (1-b1^t) / d + wd w ;  c = g~ / d + wd w
+    w <- w - lr b1 ||w||/||r|| r - lr (1-b1) ||w||/||c|| c      (a ratio is 1 when either norm is 0)
+
+The kernels compute r and c up to a positive per-tensor factor (r = k_r r', c = k_c c', with the bias
+corrections folded into eps and the weight-decay coefficient); the trust-ratio step only needs the direction
+and the norm, so ``||w|| r / ||r|| = ||w|| r' / ||r'||``; the factor is applied explicitly when a ratio is 1.
+
+Two implementations of the element-wise work, same maths: ``"fused"`` (two ``torch.compile``-d kernels per
+fragment: one pass that updates m, v and returns the partial sums of squares of r', c'; one pass that
+recomputes r', c' and updates w -- about 13 memory passes per step against AdamW-foreach's ~20) and
+``"foreach"`` (eager ``torch._foreach_*`` ops over the fragment lists; no compiler needed). ``impl="auto"``
+tries ``fused`` once and falls back to ``foreach`` with a warning if compilation fails.
+
+Precision: state (m, v) is always fp32. A parameter that is not fp32 (bf16 outside DeepSpeed) gets an fp32
+master copy in the state; the update is applied to the master in fp32 and the master is cast (round to
+nearest) into the parameter. Under DeepSpeed the parameters the optimizer sees are already fp32 masters.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from common.errors import UserError
+
+NO_DECAY_MARKERS = ("bias", "LayerNorm", "layer_norm", "norm")
+IMPLS = ("auto", "fused", "foreach")
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: decayed weights, and biases / norm parameters / 1-D tensors without weight decay.
+
+    BERT's recipes (NVIDIA, Gaudi) exempt biases and LayerNorm gamma/beta from weight decay; empty groups are
+    dropped so that DeepSpeed does not see a group without parameters.
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if p.ndim <= 1 or any(marker in name for marker in NO_DECAY_MARKERS):
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+@dataclass
+class GroupLayout:
+    """Where the tensors of one parameter group lie in the flat tensor the optimizer sees (ZeRO).
+
+    ``starts``/``numels`` are fragment addresses in the flat local partition, ``tensor_index`` the index of
+    the original tensor each fragment belongs to (same numbering on every rank), ``num_tensors`` the number
+    of original tensors in the group, ``process_group`` the data-parallel group the per-tensor sums are
+    all-reduced over.
+    """
+
+    starts: list[int]
+    numels: list[int]
+    tensor_index: list[int]
+    num_tensors: int
+    partition_numel: int
+    tensor_numels: list[int]
+    process_group: Any = None
+
+
+def allreduce_sums(sums: torch.Tensor, pg: Any) -> torch.Tensor:
+    """Sum a small vector over the data-parallel group (on the accelerator when the backend is NCCL)."""
+    if pg is None or not (dist.is_available() and dist.is_initialized()):
+        return sums
+    if sums.device.type == "cpu" and dist.get_backend(pg) == "nccl":
+        on_dev = sums.to(f"cuda:{torch.cuda.current_device()}")
+        dist.all_reduce(on_dev, op=dist.ReduceOp.SUM, group=pg)
+        return on_dev.to(sums.device)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=pg)
+    return sums
+
+
+# --------------------------------------------------------------------------------------------------------
+# Element-wise kernels (one fragment each). sc rows: LANS  [s, 1-b1, b2, 1-b2, eps', wd_r, wd_c]
+#                                                     LAMB  [1, 1-b1, b2, 1-b2, eps', wd_r, 0]
+# (1-b computed in float64 on the host: 1 - float32(0.999) would be off by 1e-5.)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _lans_moments_kernel(
+    g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor
+):
+    gt = g.float() * sc[0]
+    m_new = torch.lerp(m, gt, sc[1])
+    v_new = v * sc[2] + gt * gt * sc[3]
+    m.copy_(m_new)
+    v.copy_(v_new)
+    b = v_new.sqrt() + sc[4]
+    r = m_new / b + sc[5] * w
+    c = gt / b + sc[6] * w
+    return torch.stack([(r * r).sum(), (c * c).sum()])
+
+
+def _lans_update_kernel(
+    g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor, a: torch.Tensor
+) -> None:
+    gt = g.float() * sc[0]
+    b = v.sqrt() + sc[4]
+    r = m / b + sc[5] * w
+    c = gt / b + sc[6] * w
+    w.add_(a[0] * r + a[1] * c)
+
+
+def _lamb_moments_kernel(
+    g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor
+):
+    gf = g.float()
+    m_new = torch.lerp(m, gf, sc[1])
+    v_new = v * sc[2] + gf * gf * sc[3]
+    m.copy_(m_new)
+    v.copy_(v_new)
+    u = m_new / (v_new.sqrt() + sc[4]) + sc[5] * w
+    return torch.stack([(u * u).sum(), torch.zeros((), dtype=u.dtype, device=u.device)])
+
+
+def _lamb_update_kernel(
+    g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor, a: torch.Tensor
+) -> None:
+    u = m / (v.sqrt() + sc[4]) + sc[5] * w
+    w.add_(a[0] * u)
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _compiled(name: str) -> Callable:
+    """torch.compile'd kernel (dynamic shapes: one graph serves every fragment size), built once per process."""
+    if name not in _COMPILED:
+        fn = {
+            "lans_moments": _lans_moments_kernel,
+            "lans_update": _lans_update_kernel,
+            "lamb_moments": _lamb_moments_kernel,
+            "lamb_update": _lamb_update_kernel,
+        }[name]
+        # dynamic_threads: OpenMP parallel regions whatever the size seen at compile time, thread count read
+        # at run time (torch.set_num_threads after compilation still applies).
+        _COMPILED[name] = torch.compile(
+            fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True}
+        )
+    return _COMPILED[name]
+
+
+_FUSED_OK: dict[str, bool] = {}
+_WARMED: set[tuple] = set()
+_WARM_NUMEL = 1 << 16
+
+
+def _warm_fused(device: torch.device, grad_dtype: torch.dtype) -> None:
+    """Compile the kernels on large inputs first: inductor decides OpenMP parallelism from the size seen at
+    compile time, so a first call on a bias vector would give serial code for every tensor after it. Both
+    input kinds the optimizer passes (views of a base, and plain tensors) are compiled here."""
+    key = (device.type, grad_dtype)
+    if key in _WARMED:
+        return
+    base = torch.ones(4 * _WARM_NUMEL + 8, device=device)
+    sc = torch.tensor([1.0, 0.1, 0.99, 0.01, 1e-6, 0.0, 0.0], device=device)
+    a = torch.zeros(2, device=device)
+    for as_view in (True, False):
+        for kind in ("lans", "lamb"):
+            if as_view:
+                g = base.to(grad_dtype).narrow(0, 1, _WARM_NUMEL)
+                w, m, v = (base.clone().narrow(0, 2 + k, _WARM_NUMEL) for k in range(3))
+            else:
+                g = torch.ones(_WARM_NUMEL, device=device, dtype=grad_dtype)
+                w, m, v = (torch.ones(_WARM_NUMEL, device=device) for _ in range(3))
+            _compiled(f"{kind}_moments")(g, w, m, v, sc)
+            _compiled(f"{kind}_update")(g, w, m, v, sc, a)
+    _WARMED.add(key)
+
+
+def _fused_available(device: torch.device) -> bool:
+    """Try compiling the kernels once per device type; ``auto`` falls back to eager foreach if it fails."""
+    key = device.type
+    if key not in _FUSED_OK:
+        try:
+            _warm_fused(device, torch.float32)
+            _FUSED_OK[key] = True
+        except Exception as e:  # noqa: BLE001 -- any compiler failure means "use the eager path"
+            warnings.warn(
+                f"torch.compile of the LANS/LAMB kernels failed on {key} ({type(e).__name__}: {e}); "
+                "using the eager foreach implementation",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            _FUSED_OK[key] = False
+    return _FUSED_OK[key]
+
+
+class _LayerwiseAdaptive(torch.optim.Optimizer):
+    """Shared machinery of LANS and LAMB: layouts, per-tensor norms (optionally all-reduced), two phases."""
+
+    _lans: bool = True
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        *,
+        impl: str = "auto",
+    ) -> None:
+        if lr < 0:
+            raise UserError(f"optimizer lr must be >= 0 (got {lr})")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise UserError(f"optimizer betas must lie in [0, 1) (got {tuple(betas)})")
+        if eps <= 0:
+            raise UserError(f"optimizer eps must be > 0 (got {eps})")
+        if weight_decay < 0:
+            raise UserError(f"optimizer weight_decay must be >= 0 (got {weight_decay})")
+        if impl not in IMPLS:
+            raise UserError(f"optimizer impl must be one of {IMPLS} (got {impl!r})")
+        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+        super().__init__(params, defaults)
+        self.impl = impl
+        # id(flat partition tensor) -> layout; filled by attach_zero(); absent = "each tensor is whole".
+        self._layouts: dict[int, GroupLayout] = {}
+        self.comm_seconds = 0.0  # wall time spent in the per-tensor norm all-reduces (benchmarks read it)
+
+    # ---- ZeRO ---------------------------------------------------------------------------------------
+    def set_layouts(self, layouts: dict[int, GroupLayout]) -> None:
+        """Install fragment layouts keyed by ``id`` of the flat tensors in ``param_groups`` (see zero_map)."""
+        self._layouts = dict(layouts)
+
+    @property
+    def zero_attached(self) -> bool:
+        return bool(self._layouts)
+
+    # ---- state --------------------------------------------------------------------------------------
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(
+                p, dtype=torch.float32, memory_format=torch.contiguous_format
+            )
+            if p.dtype != torch.float32:
+                state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but keeps fp32 state fp32 for low-precision parameters (torch would cast it down)."""
+        saved_state = state_dict["state"]
+        super().load_state_dict(state_dict)
+        for group, saved_group in zip(self.param_groups, state_dict["param_groups"]):
+            for p, pid in zip(group["params"], saved_group["params"]):
+                st = self.state.get(p)
+                if not st or pid not in saved_state:
+                    continue
+                for key, value in saved_state[pid].items():
+                    if (
+                        torch.is_tensor(value)
+                        and value.dtype == torch.float32
+                        and st[key].dtype != torch.float32
+                    ):
+                        st[key] = value.to(device=p.device, dtype=torch.float32).clone()
+
+    # ---- step ---------------------------------------------------------------------------------------
+    def _resolve_impl(self, device: torch.device) -> str:
+        if self.impl == "auto":
+            return "fused" if _fused_available(device) else "foreach"
+        return self.impl
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _collect(self, group: dict) -> tuple | None:
+        """Fragment lists (w, g, m, v as 1-D fp32-state views), fragment->tensor index, #tensors, dp group."""
+        params = group["params"]
+        layout = self._layouts.get(id(params[0])) if len(params) == 1 else None
+        if self._layouts and layout is None:
+            raise RuntimeError(
+                "LANS/LAMB: a parameter group is not covered by the ZeRO layout (DeepSpeed rebuilt its flat "
+                "partitions?); call attach_zero(engine) again"
+            )
+        if layout is not None:
+            p = params[0]
+            if p.grad is None:
+                raise RuntimeError("LANS/LAMB under ZeRO: the flat partition has no gradient at step()")
+            if p.numel() != layout.partition_numel:
+                raise RuntimeError(
+                    "LANS/LAMB: the ZeRO layout does not match the flat partition "
+                    f"({layout.partition_numel} vs {p.numel()} elements); call attach_zero(engine) again"
+                )
+            st = self._init_state(p)
+            w = st["master"].view(-1) if "master" in st else p.detach().view(-1)
+            g, m, v = p.grad.detach().view(-1), st["exp_avg"].view(-1), st["exp_avg_sq"].view(-1)
+            ws = [w.narrow(0, s, n) for s, n in zip(layout.starts, layout.numels)]
+            gs = [g.narrow(0, s, n) for s, n in zip(layout.starts, layout.numels)]
+            ms = [m.narrow(0, s, n) for s, n in zip(layout.starts, layout.numels)]
+            vs = [v.narrow(0, s, n) for s, n in zip(layout.starts, layout.numels)]
+            steps = [st["step"] + 1] * len(ws)
+            st["step"] += 1
+            return (ws, gs, ms, vs, layout.tensor_index, layout.num_tensors, layout.process_group, steps, [])
+        ws, gs, ms, vs, steps, lowp = [], [], [], [], [], []
+        for p in params:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("LANS/LAMB do not support sparse gradients")
+            st = self._init_state(p)
+            st["step"] += 1
+            if "master" in st:
+                ws.append(st["master"].view(-1))
+                lowp.append((p, st["master"]))
+            else:
+                ws.append(p.detach().view(-1))
+            gs.append(p.grad.detach().reshape(-1))
+            ms.append(st["exp_avg"].view(-1))
+            vs.append(st["exp_avg_sq"].view(-1))
+            steps.append(st["step"])
+        if not ws:
+            return None
+        n = len(ws)
+        return (ws, gs, ms, vs, list(range(n)), n, None, steps, lowp)
+
+    def _allreduce(self, sums: torch.Tensor, pg: Any) -> torch.Tensor:
+        if pg is None:
+            return sums
+        t0 = time.perf_counter()
+        out = allreduce_sums(sums, pg)
+        self.comm_seconds += time.perf_counter() - t0
+        return out
+
+    def _step_group(self, group: dict) -> None:
+        collected = self._collect(group)
+        if collected is None:
+            return
+        ws, gs, ms, vs, tensor_index, num_tensors, pg, steps, lowp = collected
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        lans = self._lans
+        device = ms[0].device if ms else group["params"][0].device
+        impl = self._resolve_impl(device)
+        seg = torch.tensor(tensor_index, dtype=torch.long, device=device)
+        nfrag = len(ws)
+
+        # Phase 1: ||g||^2 and ||w||^2 per tensor, one all-reduce.
+        sq = torch.zeros((2, num_tensors), dtype=torch.float64, device=device)
+        if nfrag:
+            gn = torch.stack(torch._foreach_norm(gs)).to(torch.float64) if lans else None
+            wn = torch.stack(torch._foreach_norm(ws)).to(torch.float64)
+            if lans:
+                sq[0].index_add_(0, seg, gn * gn)
+            sq[1].index_add_(0, seg, wn * wn)
+        sq = self._allreduce(sq, pg)
+        g_norm, w_norm = sq[0].sqrt(), sq[1].sqrt()
+
+        # Per-fragment scalars.
+        step_t = torch.tensor(steps, dtype=torch.float64, device=device)
+        bc1 = 1 - b1**step_t
+        bc2 = 1 - b2**step_t
+        k_r = bc2.sqrt() / bc1  # r = k_r * r'
+        k_c = bc2.sqrt()  # c = k_c * c'
+        if lans:
+            s_t = torch.where(g_norm > 0, 1.0 / (g_norm + eps), torch.ones_like(g_norm))
+            s = s_t[seg] if nfrag else s_t[:0]
+        else:
+            s = torch.ones(nfrag, dtype=torch.float64, device=device)
+        sc = torch.stack(
+            [
+                s,
+                torch.full_like(s, 1.0 - b1),
+                torch.full_like(s, b2),
+                torch.full_like(s, 1.0 - b2),
+                eps * bc2.sqrt(),
+                wd / k_r,
+                (wd / k_c) if lans else torch.zeros_like(s),
+            ],
+            dim=1,
+        ).to(torch.float32)
+
+        # Phase 2: moments, partial ||r'||^2, ||c'||^2 per fragment; second all-reduce.
+        uq = torch.zeros((2, num_tensors), dtype=torch.float64, device=device)
+        if nfrag:
+            if impl == "fused":
+                for gdt in {g.dtype for g in gs}:
+                    _warm_fused(device, gdt)
+                kern = _compiled("lans_moments" if lans else "lamb_moments")
+                rows = sc.unbind(0)
+                parts = torch.stack([kern(gs[i], ws[i], ms[i], vs[i], rows[i]) for i in range(nfrag)])
+                parts = parts.to(torch.float64)  # (F, 2)
+            else:
+                parts, r_list, c_list = self._foreach_moments(ws, gs, ms, vs, sc, lans)
+            uq.index_add_(1, seg, parts.t().contiguous())
+        uq = self._allreduce(uq, pg)
+        r_norm, c_norm = uq[0].sqrt(), uq[1].sqrt()
+
+        # Trust ratios: ||w||/||r|| applied to r' (the k factor cancels); ratio 1 -> explicit factor k.
+        if nfrag:
+            wn_f, rn_f, cn_f = w_norm[seg], r_norm[seg], c_norm[seg]
+            coef_r = torch.where((wn_f > 0) & (rn_f > 0), wn_f / rn_f.clamp_min(1e-300), k_r)
+            coef_c = torch.where((wn_f > 0) & (cn_f > 0), wn_f / cn_f.clamp_min(1e-300), k_c)
+            if lans:
+                a = torch.stack([-lr * b1 * coef_r, -lr * (1 - b1) * coef_c], dim=1)
+            else:
+                a = torch.stack([-lr * coef_r, torch.zeros_like(coef_r)], dim=1)
+            a = a.to(torch.float32)
+            # Phase 3: recompute r', c' and update w.
+            if impl == "fused":
+                kern = _compiled("lans_update" if lans else "lamb_update")
+                rows, arows = sc.unbind(0), a.unbind(0)
+                for i in range(nfrag):
+                    kern(gs[i], ws[i], ms[i], vs[i], rows[i], arows[i])
+            else:
+                self._foreach_update(ws, r_list, c_list, a)
+        for p, master in lowp:
+            p.copy_(master.view_as(p))
+
+    # ---- eager foreach implementation (same maths, no compiler) ------------------------------------------
+    @staticmethod
+    def _add_scaled(xs: list, ws: list, coef: list[float]) -> None:
+        """xs += coef * ws, coef per fragment (one scalar alpha in the usual case of equal coefficients)."""
+        if len(set(coef)) == 1:
+            if coef[0] != 0.0:
+                torch._foreach_add_(xs, ws, alpha=coef[0])
+        else:
+            torch._foreach_add_(xs, torch._foreach_mul(ws, coef))
+
+    @classmethod
+    def _foreach_moments(cls, ws, gs, ms, vs, sc, lans: bool) -> tuple[torch.Tensor, list, list | None]:
+        """Update m, v; return the partial sums of squares (F, 2) and the materialised r' (and c')."""
+        s, omb1, b2, omb2, epsp, wdr, wdc = sc.t().tolist()
+        gf = [g if g.dtype == torch.float32 else g.float() for g in gs]
+        gt = torch._foreach_mul(gf, s) if lans else gf
+        torch._foreach_lerp_(ms, gt, omb1[0])
+        torch._foreach_mul_(vs, b2[0])
+        torch._foreach_addcmul_(vs, gt, gt, omb2[0])
+        b = torch._foreach_sqrt(vs)
+        torch._foreach_add_(b, epsp)
+        r = torch._foreach_div(ms, b)
+        cls._add_scaled(r, ws, wdr)
+        rn = torch.stack(torch._foreach_norm(r)).to(torch.float64)
+        if not lans:
+            return torch.stack([rn * rn, torch.zeros_like(rn)], dim=1), r, None
+        torch._foreach_div_(gt, b)  # gt is our own temporary here: it becomes c'
+        c = gt
+        del b
+        cls._add_scaled(c, ws, wdc)
+        cn = torch.stack(torch._foreach_norm(c)).to(torch.float64)
+        return torch.stack([rn * rn, cn * cn], dim=1), r, c
+
+    @staticmethod
+    def _foreach_update(ws, r, c, a) -> None:
+        ar, ac = a.t().tolist()
+        torch._foreach_mul_(r, ar)
+        torch._foreach_add_(ws, r)
+        if c is not None:
+            torch._foreach_mul_(c, ac)
+            torch._foreach_add_(ws, c)
+
+
+class LANS(_LayerwiseAdaptive):
+    """LANS (Zheng et al. 2020): normalized gradients, Nesterov-style blend of two trust-ratio steps."""
+
+    _lans = True
+
+
+class LAMB(_LayerwiseAdaptive):
+    """LAMB (You et al. 2019): Adam moments with bias correction, one trust ratio ||w||/||update||.
+
+    Unlike DeepSpeed's fused LAMB it needs no loss scaling and works with bf16 (fp32 state and math).
+    """
+
+    _lans = False
+
+
+def build_optimizer(
+    name: str,
+    params: Iterable,
+    *,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-6,
+    weight_decay: float = 0.01,
+) -> torch.optim.Optimizer:
+    """The optimizer named in the run config: ``lans`` | ``lamb`` | ``adamw`` (torch AdamW, foreach)."""
+    key = name.lower()
+    if key == "lans":
+        return LANS(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if key == "lamb":
+        return LAMB(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if key == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=True)
+    raise UserError(f"optimizer.name must be one of lans, lamb, adamw (got {name!r})")
+
+
+def attach_zero(engine: Any) -> None:
+    """Make the LANS/LAMB inside a DeepSpeed engine use per-tensor norms; call after deepspeed.initialize.
+
+    Also call it again after ``engine.load_checkpoint`` (cheap; the layout is rebuilt from DeepSpeed's links).
+    Raises RuntimeError for a DeepSpeed path whose partitioning is not covered (ZeRO-3).
+    """
+    from training.zero_map import build_layouts
+
+    opt = getattr(engine, "basic_optimizer", None)
+    if not isinstance(opt, _LayerwiseAdaptive):
+        return  # AdamW or another element-wise optimizer: partitioning does not change its result
+    opt.set_layouts(build_layouts(engine, opt))
