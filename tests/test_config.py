@@ -49,6 +49,10 @@ def test_base_include(tmp_path):
         ),
         (["deepspeed.offload_param=true"], "deepspeed.offload_param needs deepspeed.zero_stage=3"),
         (["train.steps"], "not of the form section.key=value"),
+        (
+            ["deepspeed.zero_stage=3"],
+            "optimizer.name=lans keeps per-tensor trust ratios under ZeRO stages 0-2",
+        ),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):

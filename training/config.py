@@ -121,6 +121,9 @@ class DeepSpeedSection:
     """ZeRO-3 only: parameters on the CPU."""
     mics_shard_size: int = 0
     """ZeRO-3 only: MiCS shard group size (0: off)."""
+    communication_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Gradient reduction dtype with bf16: fp32 keeps results independent of the world size (bf16 halves
+    the bytes but rounds every reduction)."""
     backend: Literal["auto", "nccl", "gloo", "hccl", "ccl"] = "auto"
     """Communication backend; auto = nccl on CUDA, gloo on CPU."""
     timeout_s: int = 600
@@ -352,6 +355,14 @@ def validate(cfg: Config) -> None:
     if cfg.deepspeed.mics_shard_size and cfg.deepspeed.zero_stage != 3:
         raise UserError(
             f"deepspeed.mics_shard_size needs deepspeed.zero_stage=3, got {cfg.deepspeed.zero_stage}"
+        )
+    if cfg.optimizer.name in ("lans", "lamb") and (
+        cfg.deepspeed.zero_stage == 3 or cfg.deepspeed.offload_optimizer
+    ):
+        raise UserError(
+            f"optimizer.name={cfg.optimizer.name} keeps per-tensor trust ratios under ZeRO stages 0-2 without "
+            f"optimizer offload; got deepspeed.zero_stage={cfg.deepspeed.zero_stage}, "
+            f"deepspeed.offload_optimizer={cfg.deepspeed.offload_optimizer}"
         )
     if cfg.checkpoint.keep < 1:
         raise UserError(f"checkpoint.keep must be at least 1, got {cfg.checkpoint.keep}")

@@ -99,6 +99,7 @@ def deepspeed_config(cfg: Config, grad_accum: int, run_dir: str) -> dict[str, An
         config["bf16"] = {"enabled": True}
         # Gradient accumulation in FP32: BF16 accumulation under ZeRO loses accuracy over many micro-batches.
         config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["communication_data_type"] = ds.communication_dtype
     elif ds.precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     config.update(_monitor_config(cfg.logging, run_dir))
