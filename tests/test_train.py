@@ -336,3 +336,31 @@ def test_resume_on_a_different_world_size(bert_data, tmp_path):
     assert [b[s] for s in range(5, 9)] == pytest.approx([a[s] for s in range(5, 9)], rel=2e-3)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 1 and summary["grad_accum"] == 4 and summary["samples"] == 8 * 16
+
+
+def test_sweep_of_train_py_reports_measured_efficiency(bert_data, tmp_path):
+    """launch sweep runs the real train.py at 1 and 2 ranks; launch report prints the efficiency and a PNG."""
+    cfg = tmp_path / "sweep.yaml"
+    cfg.write_text(
+        f"base: {REPO / 'configs' / 'smoke.yaml'}\n"
+        f"data: {{train: {bert_data['train']}, eval: null, vocab: {bert_data['vocab']}}}\n"
+        "train: {global_batch: 16, micro_batch: 4, eval_every: 0}\ncheckpoint: {every: 0}\n"
+    )
+    runs, png = tmp_path / "runs", tmp_path / "scaling.png"
+    res = subprocess.run(
+        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps", "8",
+         "--out", str(runs)],
+        cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    s1, s2 = (json.loads((runs / f"w{w}" / "summary.json").read_text()) for w in (1, 2))
+    assert s1["fingerprint"] == s2["fingerprint"] and (s1["world_size"], s2["world_size"]) == (1, 2)
+    measured = s2["sequences_per_sec_per_device"] / s1["sequences_per_sec_per_device"]
+    assert s2["scaling_efficiency"] == pytest.approx(measured)
+    rep = subprocess.run([sys.executable, "-m", "launch", "report", str(runs), "--plot", str(png)],
+                         cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert rep.returncode == 0, rep.stderr
+    assert f"{measured * 100:.1f}%" in rep.stdout
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png).shape[0] > 100
