@@ -263,9 +263,10 @@ class Trainer:
                 f"{record['tflops_per_device']:.3f} TFLOP/s/dev",
                 f"MFU {100 * record['mfu']:.1f}%",
             ]
-        for k in ("eval_loss", "eval_mlm_accuracy", "eval_nsp_accuracy", "eval_perplexity"):
+        for k, label in (("eval_loss", "eval loss"), ("eval_mlm_accuracy", "MLM acc"),
+                         ("eval_nsp_accuracy", "NSP acc"), ("eval_perplexity", "ppl")):  # fmt: skip
             if k in record:
-                parts.append(f"{k.removeprefix('eval_')} {record[k]:.4f}")
+                parts.append(f"{label} {record[k]:.4f}")
         log.info(" | ".join(parts))
 
     def save(self) -> str:
