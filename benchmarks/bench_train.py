@@ -1,0 +1,472 @@
+"""Training throughput on CPU: our ``train.py`` (DeepSpeed, BF16, sparse MLM head) beside Hugging Face ``Trainer``.
+
+Same machine, same run, same HDF5 shards (built from the enwiki sample with our CLIs), same model shapes
+(``model.bert.hf_config`` / ``model.neox.hf_config`` of the registry size), same micro and global batch,
+sequence length, BF16, AdamW (the Trainer's default optimizer, ``adamw_torch_fused``; ours is torch AdamW
+(foreach) under DeepSpeed's BF16 optimizer), lr 5e-4, 10% linear warm-up then cosine to 0, weight decay
+0.01, gradient clipping 1.0, one DataLoader worker, one process with the same torch thread count.
+
+* ours: ``train.py`` on one process (DeepSpeed ZeRO stage 0, which runs as stage 1 under BF16), started through
+  ``benchmarks/bench_train_ours.py`` (train.py unchanged, plus the CPU time of its throughput window); the
+  figure is ``sequences_per_sec`` of RUN_DIR/summary.json (steps after ``--warmup`` excluded); MFU against the
+  BF16 matmul peak that ``train.py`` measures in the same process (``peak_flops_per_device``).
+* peer: ``benchmarks/bench_train_hf.py``: ``Trainer`` with ``BertForPreTraining`` (MLM head over every position)
+  or ``GPTNeoXForCausalLM`` (``labels=input_ids``), timed by a callback from the end of step ``--warmup`` to
+  the end of the last step.
+
+Both sides also report sequences per CPU-second of the training process over the same window: with other jobs
+on the same cores, wall-clock figures swing by 2x between runs, CPU-time figures much less. One thread per
+process by default: on 2 shared cores, 2 torch threads ran ~10x slower than 1 (OpenMP barriers waiting for a
+descheduled thread).
+
+Each (model, side) is measured ``--repeats`` times, the two sides interleaved with alternating order (other
+processes share the CPU); the table shows the medians. Targets (from the issue): BERT >= 1.5x, GPT-NeoX >= 1x.
+
+    python benchmarks/bench_train.py                               # 3 models x 2 sides x 2 repeats, ~6 min idle
+    python benchmarks/bench_train.py --models bert-debug --repeats 3 --two-ranks
+    python benchmarks/bench_train.py --peer-site /tmp/peers/hf_trainer/site   # accelerate installed there
+
+``Trainer`` needs ``accelerate`` (>= 1.1), which the project does not depend on: ``pip install accelerate``, or
+``pip install --no-deps --target DIR accelerate`` and ``--peer-site DIR`` (only the peer's process sees it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common.errors import UserError, run_cli  # noqa: E402
+from common.log import get_logger  # noqa: E402
+
+log = get_logger("bench_train")
+
+TARGET_RATIO = {"bert": 1.5, "neox": 1.0}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--work", default="/tmp/bench_train", help="text, vocabularies, shards, runs, logs (reused)"
+    )
+    p.add_argument(
+        "--models", default="bert-debug,bert-10m,neox-debug", help="comma-separated registry names"
+    )
+    p.add_argument("--steps", type=int, default=30, help="measured optimizer steps (after --warmup)")
+    p.add_argument("--warmup", type=int, default=5, help="optimizer steps excluded from the timing")
+    p.add_argument(
+        "--repeats", type=int, default=2, help="measurements per (model, side); the median is shown"
+    )
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (and OMP_NUM_THREADS), both"
+    )
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--bert-seq", type=int, default=128, help="BERT sequence length (shards built for it)")
+    p.add_argument("--max-pred", type=int, default=20, help="BERT masked positions per sequence")
+    p.add_argument("--gpt-seq", type=int, default=128, help="GPT-NeoX sequence length (shards built for it)")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--two-ranks", action="store_true", help="also run ours on 2 DeepSpeed ranks x 1 thread")
+    p.add_argument(
+        "--port", type=int, default=29850, help="first MASTER_PORT; each of our runs takes the next"
+    )
+    p.add_argument(
+        "--peer-site", default=None, help="extra PYTHONPATH entry for the peer (where accelerate is)"
+    )
+    p.add_argument("--rebuild", action="store_true", help="rebuild text, vocabularies and shards")
+    p.add_argument("--json", default=None, help="also write every measurement and the medians to this file")
+    args = p.parse_args(argv)
+    for key in (
+        "steps",
+        "warmup",
+        "repeats",
+        "threads",
+        "micro_batch",
+        "global_batch",
+        "bert_seq",
+        "gpt_seq",
+    ):
+        if getattr(args, key) <= 0:
+            raise UserError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    if args.global_batch % args.micro_batch:
+        raise UserError(
+            f"--global-batch={args.global_batch} is not a multiple of --micro-batch={args.micro_batch}"
+        )
+    if args.two_ranks and args.global_batch % (2 * args.micro_batch):
+        raise UserError(
+            f"--two-ranks: --global-batch={args.global_batch} is not a multiple of 2 x --micro-batch"
+        )
+    return args
+
+
+def subprocess_env(threads: int, extra_path: str | None = None) -> dict[str, str]:
+    """The project importable, thread counts pinned, no hub access."""
+    env = dict(os.environ)
+    paths = [str(REPO)] + ([extra_path] if extra_path else []) + [env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    env["HF_HUB_OFFLINE"] = "1"
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    return env
+
+
+def run_logged(cmd: list[str], log_path: Path, env: dict[str, str], what: str) -> float:
+    """Run a command with its output in ``log_path``; a failure names the log. Returns the wall time."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as f:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
+        raise UserError(
+            f"{what} failed with exit code {rc} ({tail[0] if tail else 'no output'}); see {log_path}"
+        )
+    return time.perf_counter() - t0
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+def build_data(work: Path, args: argparse.Namespace) -> dict[str, Path]:
+    """Text, WordPiece vocab, BPE tokenizer, BERT and GPT shards from the enwiki sample (reused when present)."""
+    from data.sample import sample_dump_path
+
+    py = sys.executable
+    env = subprocess_env(1)
+    paths = {
+        "text": work / "text",
+        "vocab": work / "vocab.txt",
+        "tokenizer": work / "tokenizer.json",
+        "bert": work / f"bert{args.bert_seq}-p{args.max_pred}",
+        "gpt": work / f"gpt{args.gpt_seq}",
+    }
+    steps = [
+        (
+            "text",
+            [
+                py,
+                "-m",
+                "data",
+                "wiki",
+                str(sample_dump_path()),
+                "--out",
+                str(paths["text"]),
+                "--workers",
+                "2",
+            ],
+        ),
+        (
+            "vocab",
+            [py, "-m", "data", "vocab", str(paths["text"]), "--out", str(paths["vocab"]), "--size", "8000"],
+        ),
+        (
+            "tokenizer",
+            [py, "-m", "data", "vocab", str(paths["text"]), "--out", str(paths["tokenizer"])]
+            + ["--size", "8000", "--kind", "bpe"],
+        ),
+        (
+            "bert",
+            [py, "-m", "data", "bert", "--text", str(paths["text"]), "--vocab", str(paths["vocab"])]
+            + ["--out", str(paths["bert"]), "--seq-len", str(args.bert_seq), "--max-pred", str(args.max_pred)]
+            + ["--workers", "2", "--no-progress"],
+        ),
+        (
+            "gpt",
+            [py, "-m", "data", "gpt", "--text", str(paths["text"]), "--tokenizer", str(paths["tokenizer"])]
+            + ["--out", str(paths["gpt"]), "--seq-len", str(args.gpt_seq), "--workers", "2", "--no-progress"],
+        ),
+    ]
+    for name, cmd in steps:
+        out = paths[name]
+        done = (out / "manifest.json").exists() if out.suffix == "" else out.exists()
+        if done and not args.rebuild:
+            continue
+        cmd = cmd + ["--overwrite"] if name in ("text", "bert", "gpt") else cmd
+        dt = run_logged(cmd, work / "logs" / f"data-{name}.log", env, f"python -m data {cmd[3]} ({name})")
+        log.info(f"built {name}: {out} ({dt:.1f}s)")
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------- runs
+
+
+class Ports:
+    """Distinct MASTER_PORTs for our runs, so that no two of them (nor a stale one) collide."""
+
+    def __init__(self, first: int) -> None:
+        self.next = first
+
+    def take(self) -> int:
+        self.next += 1
+        return self.next - 1
+
+
+def our_overrides(
+    model: str, family: str, paths: dict[str, Path], run_dir: Path, args, steps: int
+) -> list[str]:
+    """train.py overrides that match the peer's settings (no --config: every setting given here)."""
+    bert = family == "bert"
+    return [
+        f"run.dir={run_dir}",
+        f"run.threads_per_rank={args.threads}",
+        f"model.name={model}",
+        f"data.train={paths['bert' if bert else 'gpt']}",
+        f"data.vocab={paths['vocab' if bert else 'tokenizer']}",
+        f"data.seq_len={args.bert_seq if bert else args.gpt_seq}",
+        f"data.max_pred={args.max_pred}",
+        "data.num_workers=1",
+        "optimizer.name=adamw",
+        f"optimizer.lr={args.lr}",
+        "optimizer.eps=1e-6",
+        "optimizer.weight_decay=0.01",
+        "schedule.kind=cosine_warmup",
+        "schedule.warmup=0.1",
+        "schedule.min_ratio=0.0",
+        f"train.steps={steps}",
+        f"train.micro_batch={args.micro_batch}",
+        f"train.global_batch={args.global_batch}",
+        "train.eval_every=0",
+        "deepspeed.zero_stage=0",
+        "deepspeed.precision=bf16",
+        "deepspeed.grad_clip=1.0",
+        "checkpoint.every=0",
+        "checkpoint.resume=never",
+        f"logging.warmup_steps={args.warmup}",
+        f"logging.every={steps}",
+    ]
+
+
+def run_ours(
+    model: str, family: str, paths: dict[str, Path], args, tag: str, ports: Ports, ranks: int = 1
+) -> dict:
+    """One train.py run (1 process, or ``ranks`` under the deepspeed launcher); its summary.json."""
+    work = Path(args.work)
+    run_dir = work / "runs" / tag
+    shutil.rmtree(run_dir, ignore_errors=True)  # never resume an earlier measurement
+    steps = args.warmup + args.steps
+    overrides = our_overrides(model, family, paths, run_dir, args if ranks == 1 else _one_thread(args), steps)
+    port = ports.take()
+    env = subprocess_env(args.threads if ranks == 1 else 1)
+    env["MASTER_PORT"] = str(port)
+    script = str(REPO / "benchmarks" / "bench_train_ours.py")  # train.py + the window's CPU time
+    if ranks == 1:
+        cmd = [sys.executable, script, *overrides]
+    else:
+        launcher = shutil.which("deepspeed") or str(Path(sys.executable).parent / "deepspeed")
+        cmd = [launcher, "--num_gpus", str(ranks), "--master_port", str(port), script, *overrides]
+    wall = run_logged(cmd, work / "logs" / f"{tag}.log", env, f"train.py ({tag})")
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    keep = (
+        "sequences_per_sec",
+        "tokens_per_sec",
+        "mfu",
+        "peak_flops_per_device",
+        "flops_per_token",
+        "threads_per_rank",
+        "world_size",
+        "measured_steps",
+        "data_wait_fraction",
+        "final_loss",
+    )
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    rec = {**{k: summary.get(k) for k in keep}, "wall_s": wall}
+    cpu_file = run_dir / "bench_cpu.json"
+    if cpu_file.exists():
+        cpu_s = json.loads(cpu_file.read_text(encoding="utf-8"))["cpu_s"]
+        rec["cpu_seconds"] = cpu_s
+        rec["sequences_per_cpu_sec"] = summary["measured_steps"] * args.global_batch / ranks / cpu_s
+    return rec
+
+
+def _one_thread(args: argparse.Namespace) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "threads": 1})
+
+
+def run_peer(model: str, family: str, paths: dict[str, Path], args, tag: str) -> dict:
+    """One Hugging Face Trainer run (benchmarks/bench_train_hf.py); its JSON record."""
+    work = Path(args.work)
+    out = work / "runs" / f"{tag}.json"
+    out.unlink(missing_ok=True)
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "bench_train_hf.py"),
+        "--model",
+        model,
+        "--data",
+        str(paths["bert" if family == "bert" else "gpt"]),
+        "--steps",
+        str(args.warmup + args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--micro-batch",
+        str(args.micro_batch),
+        "--global-batch",
+        str(args.global_batch),
+        "--lr",
+        str(args.lr),
+        "--threads",
+        str(args.threads),
+        "--workers",
+        "1",
+        "--out",
+        str(out),
+    ]
+    env = subprocess_env(args.threads, args.peer_site)
+    wall = run_logged(cmd, work / "logs" / f"{tag}.log", env, f"Hugging Face Trainer ({tag})")
+    return {**json.loads(out.read_text(encoding="utf-8")), "wall_s": wall}
+
+
+def check_peer_available(peer_site: str | None) -> None:
+    """Fail before any measurement when the peer cannot run (Trainer needs accelerate)."""
+    if peer_site:
+        if not (Path(peer_site) / "accelerate").is_dir():
+            raise UserError(f"--peer-site {peer_site} holds no accelerate package (pip install --target it)")
+        return
+    if importlib.util.find_spec("accelerate") is None:
+        raise UserError(
+            "the peer (transformers.Trainer) needs accelerate>=1.1.0: pip install accelerate, or "
+            "pip install --no-deps --target DIR accelerate and pass --peer-site DIR"
+        )
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _runs(xs: list[float]) -> str:
+    return f"{median(xs):.1f} ({', '.join(f'{x:.1f}' for x in xs)})"
+
+
+def verdict(ratios: list[float], target: float) -> str:
+    """ok when wall-clock and CPU-time ratios both meet the target, MISSED when both fall short."""
+    met = [r >= target for r in ratios if r == r]  # NaN (no CPU figure) does not vote
+    return f">= {target:.1f}x " + ("ok" if all(met) else "MISSED" if not any(met) else "mixed")
+
+
+def table(rows: list[dict], args: argparse.Namespace) -> str:
+    """Markdown table; medians with the individual runs in parentheses."""
+    head = ["model", "seq", "micro x accum", "ours seq/s", "peer seq/s", "ratio"]
+    head += ["ours seq/CPU-s", "peer seq/CPU-s", "CPU ratio", "target", "our MFU", "CPU BF16 peak"]
+    if args.two_ranks:
+        head.append("ours 2 ranks x 1 thread seq/s")
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        cells = [
+            r["model"],
+            str(r["seq"]),
+            f"{args.micro_batch} x {args.global_batch // args.micro_batch}",
+            _runs(r["ours_runs"]),
+            _runs(r["peer_runs"]),
+            f"{r['ratio']:.2f}x",
+            _runs(r["ours_cpu_runs"]),
+            _runs(r["peer_cpu_runs"]),
+            f"{r['cpu_ratio']:.2f}x",
+            verdict([r["ratio"], r["cpu_ratio"]], r["target"]),
+            f"{100 * r['mfu']:.2f}%",
+            f"{r['peak'] / 1e12:.2f} TFLOP/s",
+        ]
+        if args.two_ranks:
+            cells.append(_runs(r["ours2_runs"]))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from model.registry import get_spec
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    families = {m: get_spec(m).family for m in models}  # unknown names fail here, before any work
+    check_peer_available(args.peer_site)
+    work = Path(args.work).resolve()
+    if work == REPO or REPO in work.parents:
+        raise UserError(
+            f"--work {work} is inside the repository; use a directory outside it (e.g. /tmp/bench_train)"
+        )
+    args.work = str(work)
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    paths = build_data(work, args)
+    ports = Ports(args.port)
+
+    results: dict[str, dict[str, list[dict]]] = {m: {"ours": [], "peer": [], "ours2": []} for m in models}
+    for rep in range(args.repeats):
+        for i, m in enumerate(models):
+            fam = families[m]
+            order = ("ours", "peer") if (rep + i) % 2 == 0 else ("peer", "ours")
+            for side in order:
+                tag = f"{m}-{side}-r{rep}"
+                rec = (
+                    run_ours(m, fam, paths, args, tag, ports)
+                    if side == "ours"
+                    else run_peer(m, fam, paths, args, tag)
+                )
+                results[m][side].append(rec)
+                log.info(
+                    f"{tag}: {rec['sequences_per_sec']:.1f} seq/s, {rec.get('sequences_per_cpu_sec', 0):.1f} seq/CPU-s (run {rec['wall_s']:.0f}s)"
+                )
+            if args.two_ranks:
+                rec = run_ours(m, fam, paths, args, f"{m}-ours2x1-r{rep}", ports, ranks=2)
+                results[m]["ours2"].append(rec)
+                log.info(
+                    f"{m}-ours2x1-r{rep}: {rec['sequences_per_sec']:.1f} seq/s (run {rec['wall_s']:.0f}s)"
+                )
+
+    rows = []
+    for m in models:
+        fam = families[m]
+        res = results[m]
+        ours = [r["sequences_per_sec"] for r in res["ours"]]
+        peer = [r["sequences_per_sec"] for r in res["peer"]]
+        ours_cpu = [r.get("sequences_per_cpu_sec", float("nan")) for r in res["ours"]]
+        peer_cpu = [r["sequences_per_cpu_sec"] for r in res["peer"]]
+        rows.append(
+            {
+                "model": m,
+                "seq": args.bert_seq if fam == "bert" else args.gpt_seq,
+                "ours": median(ours),
+                "peer": median(peer),
+                "ours_runs": ours,
+                "peer_runs": peer,
+                "ratio": median(ours) / median(peer),
+                "ours_cpu_runs": ours_cpu,
+                "peer_cpu_runs": peer_cpu,
+                "cpu_ratio": median(ours_cpu) / median(peer_cpu),
+                "target": TARGET_RATIO[fam],
+                "mfu": median([r["mfu"] for r in res["ours"]]),
+                "peak": median([r["peak_flops_per_device"] for r in res["ours"]]),
+                "ours2_runs": [r["sequences_per_sec"] for r in res["ours2"]],
+            }
+        )
+    peer_opt = results[models[0]]["peer"][0].get("optimizer", "?")
+    print(
+        f"\nTraining throughput, CPU, BF16, 1 process x {args.threads} thread(s) each side, global batch "
+        f"{args.global_batch}, AdamW; {args.steps} measured steps after {args.warmup} warm-up; median of "
+        f"{args.repeats} interleaved runs (individual runs in parentheses). Peer: transformers.Trainer "
+        f"(optim={peer_opt}); ours: train.py, DeepSpeed ZeRO-0 (BF16 optimizer). seq/CPU-s: sequences per CPU "
+        f"second of the training process in the same window (less sensitive to other load). "
+        f"Wall {time.perf_counter() - t_start:.0f}s.\n"
+    )
+    print(table(rows, args))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "rows": rows, "runs": results}, indent=2) + "\n", encoding="utf-8"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))

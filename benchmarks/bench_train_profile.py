@@ -1,0 +1,123 @@
+"""Where the time of our CPU train step goes: ``train.py`` run in this process under ``torch.profiler``.
+
+The Trainer's phases are labelled (data, forward, backward, DeepSpeed ``step`` at and between accumulation
+boundaries, loss read-back) by wrapping the engine's methods, and the profiler records the steps after
+``logging.warmup_steps``. Prints the wall time per phase per optimizer step and the top operators by self time;
+writes a Chrome trace when ``--trace`` is given. Same overrides as ``train.py``:
+
+    python benchmarks/bench_train_profile.py --threads 1 -- model.name=bert-10m data.train=DIR data.vocab=V ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from common.errors import run_cli  # noqa: E402
+
+PHASES = collections.defaultdict(float)
+COUNTS = collections.Counter()
+
+
+def _timed(label: str, fn):
+    """Wrap ``fn`` in a profiler range and add its wall time to PHASES[label] (once the profiler runs)."""
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        if not STATE["on"]:
+            return fn(*a, **kw)
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(f"## {label}"):
+            out = fn(*a, **kw)
+        PHASES[label] += time.perf_counter() - t0
+        COUNTS[label] += 1
+        return out
+
+    return wrapper
+
+
+STATE = {"on": False, "prof": None, "t0": 0.0, "steps": 0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--top", type=int, default=25, help="operators shown")
+    p.add_argument("--trace", default=None, help="write a Chrome trace (chrome://tracing, Perfetto) here")
+    p.add_argument("overrides", nargs="*", help="train.py overrides (section.key=value)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("MASTER_PORT", "29849")
+
+    import deepspeed.runtime.engine as ds_engine
+
+    import train
+    from training import trainer as trainer_mod
+    from training.config import load_config
+
+    cfg = load_config(None, [*args.overrides, f"run.threads_per_rank={args.threads}"])
+    warm = cfg.logging.warmup_steps
+    E = ds_engine.DeepSpeedEngine
+    E.forward = _timed("forward (engine)", E.forward)
+    E.backward = _timed("backward (engine)", E.backward)
+    orig_step = E.step
+
+    def step(self, *a, **kw):
+        label = (
+            "step: optimizer (boundary)" if self.is_gradient_accumulation_boundary() else "step: non-boundary"
+        )
+        return _timed(label, orig_step)(self, *a, **kw)
+
+    E.step = step
+    T = trainer_mod.Trainer
+    T._next_batch = _timed("data (next batch + copy)", T._next_batch)
+    orig_train_step = T.train_step
+
+    def train_step(self):
+        if self.state.step == warm and not STATE["on"]:
+            prof = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False
+            )
+            prof.__enter__()
+            STATE.update(on=True, prof=prof, t0=time.perf_counter())
+        if not STATE["on"]:
+            return orig_train_step(self)
+        t0 = time.perf_counter()
+        with torch.profiler.record_function("## train_step"):
+            out = orig_train_step(self)
+        PHASES["train_step (total)"] += time.perf_counter() - t0
+        STATE["steps"] += 1
+        return out
+
+    T.train_step = train_step
+    rc = train.run(cfg)
+    prof = STATE["prof"]
+    if prof is None:
+        print("the profiler never started: train.steps must exceed logging.warmup_steps")
+        return 1
+    prof.__exit__(None, None, None)
+    n = max(STATE["steps"], 1)
+    total = PHASES["train_step (total)"]
+    print(f"\n{cfg.model.name}: {n} profiled optimizer steps, {args.threads} thread(s); per optimizer step:")
+    for label, secs in sorted(PHASES.items(), key=lambda kv: -kv[1]):
+        print(
+            f"  {label:<32} {1000 * secs / n:8.1f} ms  {100 * secs / total:5.1f}%  ({COUNTS[label] or n} calls)"
+        )
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli(main))
