@@ -20,6 +20,23 @@ def run_env() -> dict[str, str]:
     return env
 
 
+def launcher(ranks: int, port: int | None = None) -> list[str]:
+    """The DeepSpeed launcher for ``ranks`` local CPU ranks, through this interpreter.
+
+    CI runs pytest as .venv/bin/python without activating the venv, so no ``deepspeed`` script is on PATH.
+    """
+    port = port or 29500 + os.getpid() % 1000
+    return [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        str(ranks),
+        "--master_port",
+        str(port),
+    ]
+
+
 @pytest.fixture(scope="session")
 def python() -> str:
     return sys.executable

@@ -9,13 +9,12 @@ step 4), and 2 ranks resuming that checkpoint.
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, launcher, run_env
 
 pytestmark = pytest.mark.slow
 
@@ -27,13 +26,8 @@ RESUME = "lans:2:fp32,lamb:2:fp32"
 
 
 def _launch(ranks: int, runs: str, out: Path, *extra: str) -> dict:
-    # The launcher through this interpreter: CI runs pytest from .venv without activating it (no PATH entry).
     cmd = [
-        sys.executable,
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        str(ranks),
+        *launcher(ranks, port=29400 + ranks),
         str(SCRIPT),
         "--runs",
         runs,

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, launcher, run_env
 
 pytestmark = pytest.mark.slow
 
@@ -65,13 +65,7 @@ def deepspeed(
     args: list[str], ranks: int = 2, timeout: int = 300, env: dict | None = None
 ) -> subprocess.CompletedProcess:
     cmd = [
-        sys.executable,
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        str(ranks),
-        "--master_port",
-        str(29500 + os.getpid() % 1000),
+        *launcher(ranks),
         "train.py",
         *args,
     ]
@@ -208,13 +202,7 @@ def test_export_loads_with_transformers(straight_run, tmp_path):
 def test_sigterm_saves_and_exits_with_distinct_code(bert_data, tmp_path):
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable,
-        "-m",
-        "deepspeed.launcher.runner",
-        "--num_gpus",
-        "2",
-        "--master_port",
-        str(29600 + os.getpid() % 1000),
+        *launcher(2, port=29600 + os.getpid() % 1000),
         "train.py",
         *common(bert_data, run_dir, "train.steps=10000"),
     ]
