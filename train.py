@@ -24,6 +24,7 @@ import torch
 from common.atomic import atomic_write_json
 from common.errors import EXIT_USER_ERROR, UserError
 from common.log import get_logger
+from data.h5format import sha256_file
 from training.config import Config, gradient_accumulation, load_config
 
 log = get_logger("train")
@@ -36,14 +37,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optimizer.lr=3e-3 train.steps=100")
     return p.parse_args(argv)
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def scalar_attrs(attrs: dict) -> dict:
@@ -174,7 +167,7 @@ def run(cfg: Config) -> int:
     if cfg.data.vocab:
         if not Path(cfg.data.vocab).exists():
             raise UserError(f"data.vocab {cfg.data.vocab} does not exist")
-        vocab_sha = file_sha256(cfg.data.vocab)
+        vocab_sha = sha256_file(cfg.data.vocab)  # the hash the shard writers store
         expect["vocab_sha256" if kind == "bert" else "tokenizer_sha256"] = vocab_sha
     loader = build_loader(cfg, cfg.data.train, kind, grad_accum, rank, world, expect)
     eval_loader = build_loader(cfg, cfg.data.eval, kind, 1, rank, world, expect) if cfg.data.eval else None

@@ -13,7 +13,6 @@ Both are trained with the ``tokenizers`` library on the text shards written by `
 from __future__ import annotations
 
 import argparse
-import hashlib
 from pathlib import Path
 
 from common.atomic import atomic_write_text
@@ -155,11 +154,6 @@ def load_vocab_checked(path: Path) -> dict[str, int]:
     if missing:
         raise UserError(f"{path}: not a BERT vocab: missing special token(s) {' '.join(missing)}")
     return vocab
-
-
-def vocab_fingerprint(path: Path) -> str:
-    """sha256 of the vocabulary file's bytes: stored in data shards so a mismatch is caught on open."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
