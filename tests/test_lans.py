@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from common.errors import UserError
-from training.lans import LAMB, LANS, build_optimizer, param_groups
+from training import lans as lans_mod
+from training.lans import LAMB, LANS, build_optimizer, param_groups, sum_of_squares
 
 
 class Tiny(torch.nn.Module):
@@ -65,14 +66,18 @@ def _grads(model: torch.nn.Module, seed: int) -> None:
     model.zero.grad.zero_()  # a zero gradient exercises the ||g|| = 0 branch
 
 
-@pytest.mark.parametrize("impl", ["foreach", "fused"])
+# "fused" sends every tensor through the compiled kernels, "mixed" the larger ones only (emb, fc1, fc2.weight)
+# and the rest through the foreach ops, as the default threshold does with BERT's weights and biases.
+@pytest.mark.parametrize(("impl", "fused_min_numel"), [("foreach", None), ("fused", 0), ("fused", 20)])
 @pytest.mark.parametrize("cls", [LANS, LAMB])
-def test_matches_reference(cls, impl: str) -> None:
+def test_matches_reference(cls, impl: str, fused_min_numel: int | None) -> None:
     torch.manual_seed(0)
     model = Tiny()
     hp = {"lr": 0.05, "b1": 0.9, "b2": 0.999, "eps": 1e-6}
     wd = 0.01
     opt = cls(param_groups(model, wd), lr=hp["lr"], betas=(hp["b1"], hp["b2"]), eps=hp["eps"], impl=impl)
+    if fused_min_numel is not None:
+        opt.fused_min_numel = fused_min_numel
     ref_params = {n: p.detach().double().clone() for n, p in model.named_parameters()}
     ref_state = {n: {"m": torch.zeros_like(p), "v": torch.zeros_like(p)} for n, p in ref_params.items()}
     decay = {n for n, p in model.named_parameters() if p.ndim > 1 and "norm" not in n.lower()}
@@ -197,3 +202,53 @@ def test_build_optimizer_and_bad_input() -> None:
         LANS(model.parameters(), lr=1e-3, betas=(1.0, 0.9))
     with pytest.raises(UserError, match="impl"):
         LANS(model.parameters(), impl="cuda-magic")
+
+
+def test_sum_of_squares_is_accurate_on_large_tensors() -> None:
+    """The norms behind every trust ratio: 1e-6 relative on a 9M-element tensor (138 BLAS chunks), bf16 too."""
+    torch.manual_seed(3)
+    big = torch.randn(9_000_001) * 1e-3 + 3e-4
+    small = torch.tensor([3.0, 4.0])
+    got = sum_of_squares([big, small, big.to(torch.bfloat16)])
+    assert got.dtype == torch.float64
+    ref_big = (big.double() ** 2).sum()
+    ref_bf16 = (big.to(torch.bfloat16).double() ** 2).sum()
+    assert abs(got[0] - ref_big) / ref_big < 1e-6
+    assert got[1] == 25.0
+    assert abs(got[2] - ref_bf16) / ref_bf16 < 2e-6
+
+
+def test_compiled_kernels_stay_within_dynamo_recompile_limit() -> None:
+    """Tensors of many sizes, fp32 and bf16 parameters: a bounded set of compiled graphs, never dynamo's
+    limit (past it a kernel would silently run eagerly), and results equal to the eager foreach path."""
+    torch._dynamo.reset()  # count from an empty cache (earlier tests compile small-size variants on purpose)
+    lans_mod._COMPILED.clear()
+    lans_mod._WARMED.clear()
+    torch.manual_seed(4)
+    sizes = [(300, 300), (70_001,), (1 << 16,), (256, 1024), (5,), (1,)]
+
+    def make(dtype):
+        return [torch.nn.Parameter(torch.randn(*sz).to(dtype)) for sz in sizes]
+
+    for dtype in (torch.float32, torch.bfloat16):
+        fused_p, eager_p = make(dtype), None
+        eager_p = [torch.nn.Parameter(p.detach().clone()) for p in fused_p]
+        fused = LANS(fused_p, lr=0.01, impl="fused")
+        eager = LANS(eager_p, lr=0.01, impl="foreach")
+        for step in range(3):
+            torch.manual_seed(10 + step)
+            for p, q in zip(fused_p, eager_p):
+                p.grad = torch.randn_like(p)
+                q.grad = p.grad.clone()
+            fused.step()
+            eager.step()
+        for p, q in zip(fused_p, eager_p):
+            # fp32 masters (bf16 parameters are their rounding, which may differ by one ulp at ties)
+            wp = fused.state[p].get("master", p.detach())
+            wq = eager.state[q].get("master", q.detach())
+            torch.testing.assert_close(wp, wq, rtol=1e-5, atol=1e-6)
+    limit = torch._dynamo.config.recompile_limit
+    for name, fn in lans_mod._COMPILED.items():
+        code = fn._torchdynamo_orig_callable.__code__
+        n = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
+        assert 1 <= n <= 4 < limit, (name, n)

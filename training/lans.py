@@ -5,8 +5,8 @@ ZeRO-1/2 and its BF16 optimizer hand the wrapped optimizer one flat fp32 partiti
 rank, so a naive layer-wise optimizer takes norms over arbitrary slices of concatenated tensors and its result
 changes with the world size. Here every parameter group is described by a *layout*: a list of fragments
 ``(start, numel, tensor index)`` of the flat tensor the optimizer sees. Norms are summed per fragment, added
-per tensor, all-reduced over the data-parallel group (one call for ||g||,||w||, one for the two update
-norms), and the per-tensor factors are applied back to the local fragments. Without ZeRO a tensor is its own
+per tensor, all-reduced over the data-parallel group (LANS: one call for ||g||, one for ||w|| and the two
+update norms; LAMB: one call), and the per-tensor factors are applied back to the local fragments. Without ZeRO a tensor is its own
 single fragment and no communication happens. ``attach_zero(engine)`` builds the layouts from DeepSpeed's
 own lp->hp fragment links (see ``training/zero_map.py``).
 
@@ -22,9 +22,10 @@ The kernels compute r and c up to a positive per-tensor factor (r = k_r r', c = 
 corrections folded into eps and the weight-decay coefficient); the trust-ratio step only needs the direction
 and the norm, so ``||w|| r / ||r|| = ||w|| r' / ||r'||``; the factor is applied explicitly when a ratio is 1.
 
-Two implementations of the element-wise work, same maths: ``"fused"`` (two ``torch.compile``-d kernels per
-fragment: one pass that updates m, v and returns the partial sums of squares of r', c'; one pass that
-recomputes r', c' and updates w -- about 13 memory passes per step against AdamW-foreach's ~20) and
+Two implementations of the element-wise work, same maths: ``"fused"`` (three ``torch.compile``-d kernels per
+fragment: the in-place moment update; the partial sums of squares of r', c' and w; the update of w, which
+recomputes r' and c' rather than storing them -- with the ||g|| pass, 15 memory passes per step against
+AdamW-foreach's ~20) and
 ``"foreach"`` (eager ``torch._foreach_*`` ops over the fragment lists; no compiler needed). ``impl="auto"``
 tries ``fused`` once and falls back to ``foreach`` with a warning if compilation fails.
 
@@ -102,25 +103,63 @@ def allreduce_sums(sums: torch.Tensor, pg: Any) -> torch.Tensor:
     return sums
 
 
+_DOT_CHUNK = 1 << 16
+
+
+def sum_of_squares(xs: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor sums of squares of 1-D contiguous tensors, float64 on the tensors' device.
+
+    BLAS dot products over chunks of 64k elements, added in float64: close to the speed of one read of the
+    data, and within ~1e-6 relative (~1e-8 on typical fp32 data; MKL's fp32 dot over 4M elements drifts by
+    3e-6 to 4e-5). (torch's CPU ``vector_norm`` / ``_foreach_norm`` in fp32 are 3-4x slower
+    and off by 2.5e-3 relative on a 23M-element tensor, BERT's word embedding.)
+    """
+    if not xs:
+        return torch.zeros(0, dtype=torch.float64)
+    dots, owner = [], []
+    for k, x in enumerate(xs):
+        xf = x if x.dtype == torch.float32 else x.float()
+        for chunk in xf.split(_DOT_CHUNK) if xf.numel() > _DOT_CHUNK else (xf,):
+            dots.append(torch.dot(chunk, chunk))
+            owner.append(k)
+    out = torch.zeros(len(xs), dtype=torch.float64, device=xs[0].device)
+    idx = torch.tensor(owner, dtype=torch.long, device=out.device)
+    return out.index_add_(0, idx, torch.stack(dots).to(torch.float64))
+
+
 # --------------------------------------------------------------------------------------------------------
 # Element-wise kernels (one fragment each). sc rows: LANS  [s, 1-b1, b2, 1-b2, eps', wd_r, wd_c]
 #                                                     LAMB  [1, 1-b1, b2, 1-b2, eps', wd_r, 0]
 # (1-b computed in float64 on the host: 1 - float32(0.999) would be off by 1e-5.)
+# The moment update and the sums of squares are two kernels, not one: on CPU inductor's fused
+# "update in place + three reductions" loop runs ~1.5x slower than the two loops back to back (measured with
+# torch 2.13 on a 2-core AVX-512 machine; benchmarks/bench_lans.py).
 # --------------------------------------------------------------------------------------------------------
 
 
-def _lans_moments_kernel(
-    g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor
-):
+def _moments_kernel(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor) -> None:
+    """m <- b1 m + (1-b1) s g ; v <- b2 v + (1-b2) (s g)^2, in place (s = 1/(||g||+eps) for LANS, 1 for LAMB)."""
     gt = g.float() * sc[0]
-    m_new = torch.lerp(m, gt, sc[1])
-    v_new = v * sc[2] + gt * gt * sc[3]
-    m.copy_(m_new)
-    v.copy_(v_new)
-    b = v_new.sqrt() + sc[4]
-    r = m_new / b + sc[5] * w
+    m.copy_(torch.lerp(m, gt, sc[1]))
+    v.copy_(v * sc[2] + gt * gt * sc[3])
+
+
+def _lans_sumsq_kernel(
+    g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor
+) -> torch.Tensor:
+    """Partial sums of squares of r', c' and w over the fragment (after the moment update)."""
+    gt = g.float() * sc[0]
+    b = v.sqrt() + sc[4]
+    r = m / b + sc[5] * w
     c = gt / b + sc[6] * w
-    return torch.stack([(r * r).sum(), (c * c).sum()])
+    return torch.stack([(r * r).sum(), (c * c).sum(), (w * w).sum()])
+
+
+def _lamb_sumsq_kernel(
+    g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor
+) -> torch.Tensor:
+    u = m / (v.sqrt() + sc[4]) + sc[5] * w
+    return torch.stack([(u * u).sum(), torch.zeros((), dtype=u.dtype, device=u.device), (w * w).sum()])
 
 
 def _lans_update_kernel(
@@ -131,18 +170,6 @@ def _lans_update_kernel(
     r = m / b + sc[5] * w
     c = gt / b + sc[6] * w
     w.add_(a[0] * r + a[1] * c)
-
-
-def _lamb_moments_kernel(
-    g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor
-):
-    gf = g.float()
-    m_new = torch.lerp(m, gf, sc[1])
-    v_new = v * sc[2] + gf * gf * sc[3]
-    m.copy_(m_new)
-    v.copy_(v_new)
-    u = m_new / (v_new.sqrt() + sc[4]) + sc[5] * w
-    return torch.stack([(u * u).sum(), torch.zeros((), dtype=u.dtype, device=u.device)])
 
 
 def _lamb_update_kernel(
@@ -156,19 +183,24 @@ _COMPILED: dict[str, Callable] = {}
 
 
 def _compiled(name: str) -> Callable:
-    """torch.compile'd kernel (dynamic shapes: one graph serves every fragment size), built once per process."""
+    """torch.compile'd kernel, built once per process.
+
+    Dynamic shapes: one graph serves a whole size class (inductor still specialises on numel 1 and, for the
+    sums, on numel > 4096, where it switches to cascade summation), times the input kinds seen (views or
+    not, fp32 or bf16 gradients): a handful of graphs per kernel. Not ``fullgraph``: should a run ever pass
+    dynamo's recompile limit, dynamo warns and runs the kernel's eager code (same maths) instead of failing.
+    """
     if name not in _COMPILED:
         fn = {
-            "lans_moments": _lans_moments_kernel,
+            "moments": _moments_kernel,
+            "lans_sumsq": _lans_sumsq_kernel,
+            "lamb_sumsq": _lamb_sumsq_kernel,
             "lans_update": _lans_update_kernel,
-            "lamb_moments": _lamb_moments_kernel,
             "lamb_update": _lamb_update_kernel,
         }[name]
         # dynamic_threads: OpenMP parallel regions whatever the size seen at compile time, thread count read
         # at run time (torch.set_num_threads after compilation still applies).
-        _COMPILED[name] = torch.compile(
-            fn, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True}
-        )
+        _COMPILED[name] = torch.compile(fn, dynamic=True, options={"cpp.dynamic_threads": True})
     return _COMPILED[name]
 
 
@@ -195,7 +227,9 @@ def _warm_fused(device: torch.device, grad_dtype: torch.dtype) -> None:
             else:
                 g = torch.ones(_WARM_NUMEL, device=device, dtype=grad_dtype)
                 w, m, v = (torch.ones(_WARM_NUMEL, device=device) for _ in range(3))
-            _compiled(f"{kind}_moments")(g, w, m, v, sc)
+            if kind == "lans":
+                _compiled("moments")(g, m, v, sc)
+            _compiled(f"{kind}_sumsq")(g, w, m, v, sc)
             _compiled(f"{kind}_update")(g, w, m, v, sc, a)
     _WARMED.add(key)
 
@@ -222,6 +256,8 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
     """Shared machinery of LANS and LAMB: layouts, per-tensor norms (optionally all-reduced), two phases."""
 
     _lans: bool = True
+    #: fragments with fewer elements take the eager foreach path even when impl is "fused" (tests lower it)
+    fused_min_numel: int = 1 << 16
 
     def __init__(
         self,
@@ -374,17 +410,21 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         impl = self._resolve_impl(device)
         seg = torch.tensor(tensor_index, dtype=torch.long, device=device)
         nfrag = len(ws)
+        # Fragments for the compiled kernels (large ones) and for the eager foreach ops (the rest: biases,
+        # norms, ZeRO boundary slivers), where a compiled call's fixed cost (~40 us on CPU) would dominate.
+        if impl == "fused":
+            big = [i for i in range(nfrag) if ws[i].numel() >= self.fused_min_numel]
+            small = [i for i in range(nfrag) if ws[i].numel() < self.fused_min_numel]
+        else:
+            big, small = [], list(range(nfrag))
 
-        # Phase 1: ||g||^2 and ||w||^2 per tensor, one all-reduce.
-        sq = torch.zeros((2, num_tensors), dtype=torch.float64, device=device)
-        if nfrag:
-            gn = torch.stack(torch._foreach_norm(gs)).to(torch.float64) if lans else None
-            wn = torch.stack(torch._foreach_norm(ws)).to(torch.float64)
-            if lans:
-                sq[0].index_add_(0, seg, gn * gn)
-            sq[1].index_add_(0, seg, wn * wn)
-        sq = self._allreduce(sq, pg)
-        g_norm, w_norm = sq[0].sqrt(), sq[1].sqrt()
+        # Phase 1 (LANS only): ||g||^2 per tensor, all-reduced -- the normalisation must precede the moments.
+        g_norm = None
+        if lans:
+            gsq = torch.zeros(num_tensors, dtype=torch.float64, device=device)
+            if nfrag:
+                gsq.index_add_(0, seg, sum_of_squares(gs))
+            g_norm = self._allreduce(gsq, pg).sqrt()
 
         # Per-fragment scalars.
         step_t = torch.tensor(steps, dtype=torch.float64, device=device)
@@ -410,21 +450,31 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
             dim=1,
         ).to(torch.float32)
 
-        # Phase 2: moments, partial ||r'||^2, ||c'||^2 per fragment; second all-reduce.
-        uq = torch.zeros((2, num_tensors), dtype=torch.float64, device=device)
+        # Phase 2: moments; partial ||r'||^2, ||c'||^2, ||w||^2 per fragment; one all-reduce (LAMB's only one).
+        uq = torch.zeros((3, num_tensors), dtype=torch.float64, device=device)
+        parts = torch.zeros((nfrag, 3), dtype=torch.float64, device=device)
+        if big:
+            for gdt in {gs[i].dtype for i in big}:
+                _warm_fused(device, gdt)
+            moments, sumsq = _compiled("moments"), _compiled("lans_sumsq" if lans else "lamb_sumsq")
+            rows = sc.unbind(0)
+            for i in big:
+                moments(gs[i], ms[i], vs[i], rows[i])
+            big_parts = torch.stack([sumsq(gs[i], ws[i], ms[i], vs[i], rows[i]) for i in big])
+            parts[big] = big_parts.to(torch.float64)
+        if small:
+            sub = (
+                [ws[i] for i in small],
+                [gs[i] for i in small],
+                [ms[i] for i in small],
+                [vs[i] for i in small],
+            )
+            small_parts, r_list, c_list = self._foreach_moments(*sub, sc[small], lans)
+            parts[small] = small_parts
         if nfrag:
-            if impl == "fused":
-                for gdt in {g.dtype for g in gs}:
-                    _warm_fused(device, gdt)
-                kern = _compiled("lans_moments" if lans else "lamb_moments")
-                rows = sc.unbind(0)
-                parts = torch.stack([kern(gs[i], ws[i], ms[i], vs[i], rows[i]) for i in range(nfrag)])
-                parts = parts.to(torch.float64)  # (F, 2)
-            else:
-                parts, r_list, c_list = self._foreach_moments(ws, gs, ms, vs, sc, lans)
             uq.index_add_(1, seg, parts.t().contiguous())
         uq = self._allreduce(uq, pg)
-        r_norm, c_norm = uq[0].sqrt(), uq[1].sqrt()
+        r_norm, c_norm, w_norm = uq[0].sqrt(), uq[1].sqrt(), uq[2].sqrt()
 
         # Trust ratios: ||w||/||r|| applied to r' (the k factor cancels); ratio 1 -> explicit factor k.
         if nfrag:
@@ -436,14 +486,14 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
             else:
                 a = torch.stack([-lr * coef_r, torch.zeros_like(coef_r)], dim=1)
             a = a.to(torch.float32)
-            # Phase 3: recompute r', c' and update w.
-            if impl == "fused":
+            # Phase 3: update w (the compiled kernel recomputes r', c'; the foreach path kept them).
+            if big:
                 kern = _compiled("lans_update" if lans else "lamb_update")
                 rows, arows = sc.unbind(0), a.unbind(0)
-                for i in range(nfrag):
+                for i in big:
                     kern(gs[i], ws[i], ms[i], vs[i], rows[i], arows[i])
-            else:
-                self._foreach_update(ws, r_list, c_list, a)
+            if small:
+                self._foreach_update([ws[i] for i in small], r_list, c_list, a[small])
         for p, master in lowp:
             p.copy_(master.view_as(p))
 
@@ -459,7 +509,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
 
     @classmethod
     def _foreach_moments(cls, ws, gs, ms, vs, sc, lans: bool) -> tuple[torch.Tensor, list, list | None]:
-        """Update m, v; return the partial sums of squares (F, 2) and the materialised r' (and c')."""
+        """Update m, v; return the partial sums of squares of r', c', w (F, 3) and the materialised r' (and c')."""
         s, omb1, b2, omb2, epsp, wdr, wdc = sc.t().tolist()
         gf = [g if g.dtype == torch.float32 else g.float() for g in gs]
         gt = torch._foreach_mul(gf, s) if lans else gf
@@ -470,15 +520,14 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         torch._foreach_add_(b, epsp)
         r = torch._foreach_div(ms, b)
         cls._add_scaled(r, ws, wdr)
-        rn = torch.stack(torch._foreach_norm(r)).to(torch.float64)
+        rsq, wsq = sum_of_squares(r), sum_of_squares(ws)
         if not lans:
-            return torch.stack([rn * rn, torch.zeros_like(rn)], dim=1), r, None
+            return torch.stack([rsq, torch.zeros_like(rsq), wsq], dim=1), r, None
         torch._foreach_div_(gt, b)  # gt is our own temporary here: it becomes c'
         c = gt
         del b
         cls._add_scaled(c, ws, wdc)
-        cn = torch.stack(torch._foreach_norm(c)).to(torch.float64)
-        return torch.stack([rn * rn, cn * cn], dim=1), r, c
+        return torch.stack([rsq, sum_of_squares(c), wsq], dim=1), r, c
 
     @staticmethod
     def _foreach_update(ws, r, c, a) -> None:
