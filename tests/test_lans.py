@@ -68,7 +68,9 @@ def _grads(model: torch.nn.Module, seed: int) -> None:
 
 # "fused" sends every tensor through the compiled kernels, "mixed" the larger ones only (emb, fc1, fc2.weight)
 # and the rest through the foreach ops, as the default threshold does with BERT's weights and biases.
-@pytest.mark.parametrize(("impl", "fused_min_numel"), [("foreach", None), ("fused", 0), ("fused", 20)])
+@pytest.mark.parametrize(
+    ("impl", "fused_min_numel"), [("cpu", None), ("foreach", None), ("fused", 0), ("fused", 20)]
+)
 @pytest.mark.parametrize("cls", [LANS, LAMB])
 def test_matches_reference(cls, impl: str, fused_min_numel: int | None) -> None:
     torch.manual_seed(0)
@@ -218,35 +220,40 @@ def test_sum_of_squares_is_accurate_on_large_tensors() -> None:
     assert abs(got[2] - ref_bf16) / ref_bf16 < 2e-6
 
 
-def test_compiled_kernels_stay_within_dynamo_recompile_limit() -> None:
-    """Tensors of many sizes, fp32 and bf16 parameters: a bounded set of compiled graphs, never dynamo's
-    limit (past it a kernel would silently run eagerly), and results equal to the eager foreach path."""
+def test_implementations_agree_and_compiled_graphs_stay_bounded() -> None:
+    """Tensors of many sizes (several 32k-element C++ work blocks, a single element), fp32 and bf16 parameters:
+    the C++ and compiled paths equal the eager foreach path, and the compiled kernels stay a bounded set of
+    graphs, never dynamo's limit (past it a kernel would silently run eagerly)."""
     torch._dynamo.reset()  # count from an empty cache (earlier tests compile small-size variants on purpose)
     lans_mod._COMPILED.clear()
     lans_mod._WARMED.clear()
     torch.manual_seed(4)
     sizes = [(300, 300), (70_001,), (1 << 16,), (256, 1024), (5,), (1,)]
 
-    def make(dtype):
-        return [torch.nn.Parameter(torch.randn(*sz).to(dtype)) for sz in sizes]
-
-    for dtype in (torch.float32, torch.bfloat16):
-        fused_p, eager_p = make(dtype), None
-        eager_p = [torch.nn.Parameter(p.detach().clone()) for p in fused_p]
-        fused = LANS(fused_p, lr=0.01, impl="fused")
-        eager = LANS(eager_p, lr=0.01, impl="foreach")
-        for step in range(3):
-            torch.manual_seed(10 + step)
-            for p, q in zip(fused_p, eager_p):
-                p.grad = torch.randn_like(p)
-                q.grad = p.grad.clone()
-            fused.step()
-            eager.step()
-        for p, q in zip(fused_p, eager_p):
-            # fp32 masters (bf16 parameters are their rounding, which may differ by one ulp at ties)
-            wp = fused.state[p].get("master", p.detach())
-            wq = eager.state[q].get("master", q.detach())
-            torch.testing.assert_close(wp, wq, rtol=1e-5, atol=1e-6)
+    for cls in (LANS, LAMB):
+        for dtype in (torch.float32, torch.bfloat16):
+            ref_p = [torch.nn.Parameter(torch.randn(*sz).to(dtype)) for sz in sizes]
+            init = [p.detach().float().clone() for p in ref_p]
+            runs = {"foreach": ref_p}
+            for impl in ("cpu", "fused"):
+                runs[impl] = [torch.nn.Parameter(p.detach().clone()) for p in ref_p]
+            opts = {impl: cls(ps, lr=0.01, impl=impl) for impl, ps in runs.items()}
+            for step in range(3):
+                torch.manual_seed(10 + step)
+                grads = [torch.randn_like(p) for p in ref_p]
+                for impl, ps in runs.items():
+                    for p, g in zip(ps, grads):
+                        p.grad = g.clone()
+                    opts[impl].step()
+            for impl in ("cpu", "fused"):
+                for p, q, q0 in zip(runs[impl], ref_p, init):
+                    # fp32 masters (bf16 parameters are their rounding, which may differ by one ulp at ties)
+                    wp = opts[impl].state[p].get("master", p.detach())
+                    wq = opts["foreach"].state[q].get("master", q.detach())
+                    torch.testing.assert_close(
+                        wp, wq, rtol=1e-5, atol=1e-6, msg=f"{cls.__name__} {impl} {dtype}"
+                    )
+                    assert not torch.equal(wq, q0)  # the step moved the weights
     limit = torch._dynamo.config.recompile_limit
     for name, fn in lans_mod._COMPILED.items():
         code = fn._torchdynamo_orig_callable.__code__

@@ -21,7 +21,10 @@ pytestmark = pytest.mark.slow
 SCRIPT = REPO / "tests" / "scripts" / "lans_zero_run.py"
 STEPS, SAVE_AT = 8, 4
 ONE_RANK = "lans:0:fp32,lamb:0:fp32,lans:1:bf16"
-TWO_RANKS = "lans:1:fp32,lamb:1:fp32,lans:2:fp32,lamb:2:fp32,lans:2:fp32:naive,lans:1:bf16,lans:2:bf16,lans:3:fp32:refuse"
+TWO_RANKS = (
+    "lans:1:fp32,lamb:1:fp32,lans:2:fp32,lamb:2:fp32,lans:2:fp32:naive,lans:1:bf16,lans:2:bf16,lans:3:fp32:refuse,"
+    "lans:2:fp32:fused,lans:2:fp32:foreach"
+)
 RESUME = "lans:2:fp32,lamb:2:fp32"
 
 
@@ -73,6 +76,16 @@ def test_zero_two_ranks_matches_zero0_one_rank(runs: dict, opt: str, stage: int)
     # and training really moved the weights, so the comparison is not vacuous
     assert _max_rel_diff(got["params"], got["init_params"]) > 1e-2
     assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) < 1e-5
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach"])
+def test_every_implementation_is_zero_invariant(runs: dict, impl: str) -> None:
+    """The default (C++ kernels on CPU) is tested above; the torch.compile and eager paths on ZeRO's flat
+    partition views must give the same parameters."""
+    got = runs[f"x2/lans:2:fp32:{impl}"]
+    assert got["info"]["attached_groups"] == 2
+    assert _max_rel_diff(got["params"], runs["x1/lans:0:fp32"]["params"]) < 1e-5
+    assert _max_rel_diff(got["params"], got["init_params"]) > 1e-2
 
 
 def test_naive_optimizer_under_zero2_differs(runs: dict) -> None:

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from common.errors import UserError
 
 NO_DECAY_MARKERS = ("bias", "LayerNorm", "layer_norm", "norm")
-IMPLS = ("auto", "fused", "foreach")
+IMPLS = ("auto", "cpu", "fused", "foreach")
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -109,13 +109,18 @@ _DOT_CHUNK = 1 << 16
 def sum_of_squares(xs: list[torch.Tensor]) -> torch.Tensor:
     """Per-tensor sums of squares of 1-D contiguous tensors, float64 on the tensors' device.
 
-    BLAS dot products over chunks of 64k elements, added in float64: close to the speed of one read of the
+    On CPU: BLAS dot products over chunks of 64k elements, added in float64: close to the speed of one read of the
     data, and within ~1e-6 relative (~1e-8 on typical fp32 data; MKL's fp32 dot over 4M elements drifts by
     3e-6 to 4e-5). (torch's CPU ``vector_norm`` / ``_foreach_norm`` in fp32 are 3-4x slower
     and off by 2.5e-3 relative on a 23M-element tensor, BERT's word embedding.)
     """
     if not xs:
         return torch.zeros(0, dtype=torch.float64)
+    if xs[0].device.type != "cpu":
+        # Accelerators: one multi-tensor kernel with tree reductions (accurate; chunked dots would be
+        # thousands of launches).
+        norms = torch.stack(torch._foreach_norm(xs, dtype=torch.float32)).to(torch.float64)
+        return norms * norms
     dots, owner = [], []
     for k, x in enumerate(xs):
         xf = x if x.dtype == torch.float32 else x.float()
@@ -202,6 +207,58 @@ def _compiled(name: str) -> Callable:
         # at run time (torch.set_num_threads after compilation still applies).
         _COMPILED[name] = torch.compile(fn, dynamic=True, options={"cpp.dynamic_threads": True})
     return _COMPILED[name]
+
+
+_CPU_EXT: list = []  # [module or None] once tried
+
+
+def _cpu_kernels(required: bool = False) -> Any:
+    """The C++ CPU kernels (``training/csrc/lans_cpu.cpp``), built on first use with torch's extension builder
+    and cached under ~/.cache/torch_extensions (a file lock keeps concurrent ranks from building twice).
+    ``-march=native``: the cache name carries a hash of this CPU's model and flags, so a home directory shared by
+    different machines does not hand one machine another's binary. None if the build fails (a warning), or
+    UserError when ``required`` (impl="cpu" asked for explicitly)."""
+    if not _CPU_EXT:
+        import hashlib
+        import platform
+        from pathlib import Path
+
+        from torch.utils import cpp_extension
+
+        cpu_id = platform.machine()
+        try:
+            info = Path("/proc/cpuinfo").read_text()
+            cpu_id += "".join(ln for ln in info.splitlines() if ln.startswith(("model name", "flags")))[:4096]
+        except OSError:
+            pass
+        src = Path(__file__).with_name("csrc") / "lans_cpu.cpp"
+        name = "lans_cpu_" + hashlib.sha256(cpu_id.encode()).hexdigest()[:10]
+        try:
+            ext = cpp_extension.load(
+                name,
+                sources=[str(src)],
+                extra_cflags=[
+                    "-O3",
+                    "-march=native",
+                    "-mprefer-vector-width=512",
+                    "-fno-math-errno",
+                    "-fopenmp",
+                ],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+        except Exception as e:  # noqa: BLE001 -- no compiler / ninja / headers: use the other paths
+            warnings.warn(
+                f"building the LANS/LAMB CPU kernels failed ({type(e).__name__}: {str(e)[:300]}); "
+                "using the torch.compile or foreach implementation",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            ext = None
+        _CPU_EXT.append(ext)
+    if _CPU_EXT[0] is None and required:
+        raise UserError("optimizer impl 'cpu': the C++ kernels could not be built (see the warning above)")
+    return _CPU_EXT[0]
 
 
 _FUSED_OK: dict[str, bool] = {}
@@ -327,7 +384,14 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
 
     # ---- step ---------------------------------------------------------------------------------------
     def _resolve_impl(self, device: torch.device) -> str:
+        if self.impl == "cpu":
+            if device.type != "cpu":
+                raise UserError(f"optimizer impl 'cpu' needs CPU parameters (these are on {device})")
+            _cpu_kernels(required=True)
+            return "cpu"
         if self.impl == "auto":
+            if device.type == "cpu" and _cpu_kernels() is not None:
+                return "cpu"
             return "fused" if _fused_available(device) else "foreach"
         return self.impl
 
@@ -415,15 +479,19 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         if impl == "fused":
             big = [i for i in range(nfrag) if ws[i].numel() >= self.fused_min_numel]
             small = [i for i in range(nfrag) if ws[i].numel() < self.fused_min_numel]
+        elif impl == "cpu":
+            big, small = [], []
         else:
             big, small = [], list(range(nfrag))
+
+        cpu = _cpu_kernels(required=True) if impl == "cpu" else None
 
         # Phase 1 (LANS only): ||g||^2 per tensor, all-reduced -- the normalisation must precede the moments.
         g_norm = None
         if lans:
             gsq = torch.zeros(num_tensors, dtype=torch.float64, device=device)
             if nfrag:
-                gsq.index_add_(0, seg, sum_of_squares(gs))
+                gsq.index_add_(0, seg, cpu.sum_of_squares(gs) if cpu else sum_of_squares(gs))
             g_norm = self._allreduce(gsq, pg).sqrt()
 
         # Per-fragment scalars.
@@ -453,6 +521,8 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         # Phase 2: moments; partial ||r'||^2, ||c'||^2, ||w||^2 per fragment; one all-reduce (LAMB's only one).
         uq = torch.zeros((3, num_tensors), dtype=torch.float64, device=device)
         parts = torch.zeros((nfrag, 3), dtype=torch.float64, device=device)
+        if cpu is not None and nfrag:
+            parts = cpu.moments_sumsq(gs, ws, ms, vs, sc)
         if big:
             for gdt in {gs[i].dtype for i in big}:
                 _warm_fused(device, gdt)
@@ -486,7 +556,9 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
             else:
                 a = torch.stack([-lr * coef_r, torch.zeros_like(coef_r)], dim=1)
             a = a.to(torch.float32)
-            # Phase 3: update w (the compiled kernel recomputes r', c'; the foreach path kept them).
+            # Phase 3: update w (the compiled kernels recompute r', c'; the foreach path kept them).
+            if cpu is not None:
+                cpu.update(gs, ws, ms, vs, sc, a)
             if big:
                 kern = _compiled("lans_update" if lans else "lamb_update")
                 rows, arows = sc.unbind(0), a.unbind(0)

@@ -135,13 +135,14 @@ def train_one(args: argparse.Namespace, spec: str, world: int, rank: int, gas: i
     """Train one model as ``spec`` says; return its final fp32 parameters, losses and layout facts."""
     name, stage, dtype, *flags = spec.split(":")
     naive = "naive" in flags
+    impl = next((f for f in flags if f in ("cpu", "fused", "foreach")), "auto")
     config = ds_config(args, int(stage), dtype, gas)
     ckpt_name = spec.replace(":", "_")
     torch.manual_seed(0)
     model = BertMLM() if args.model == "bert" else MixedNet()
     init = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     cls = LANS if name == "lans" else LAMB
-    opt = cls(param_groups(model, 0.01), lr=args.lr, betas=(0.9, 0.999), eps=1e-6)
+    opt = cls(param_groups(model, 0.01), lr=args.lr, betas=(0.9, 0.999), eps=1e-6, impl=impl)
     sched = build_scheduler(opt, "warmup_constant_decay", total_steps=args.steps, warmup=0.25, constant=0.25)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=config)
     if "refuse" in flags:  # a path attach_zero must refuse: record its message instead of training
