@@ -22,12 +22,17 @@ The kernels compute r and c up to a positive per-tensor factor (r = k_r r', c = 
 corrections folded into eps and the weight-decay coefficient); the trust-ratio step only needs the direction
 and the norm, so ``||w|| r / ||r|| = ||w|| r' / ||r'||``; the factor is applied explicitly when a ratio is 1.
 
-Two implementations of the element-wise work, same maths: ``"fused"`` (three ``torch.compile``-d kernels per
-fragment: the in-place moment update; the partial sums of squares of r', c' and w; the update of w, which
-recomputes r' and c' rather than storing them -- with the ||g|| pass, 15 memory passes per step against
-AdamW-foreach's ~20) and
-``"foreach"`` (eager ``torch._foreach_*`` ops over the fragment lists; no compiler needed). ``impl="auto"``
-tries ``fused`` once and falls back to ``foreach`` with a warning if compilation fails.
+Three implementations of the element-wise work, same maths:
+
+- ``"cpu"``: C++ kernels (``training/csrc/lans_cpu.cpp``), one call per phase over all fragments of a group;
+  the moment update and the sums of squares of r', c', w share one pass, and the update of w recomputes r'
+  and c' rather than storing them: 12 memory passes per step against AdamW-foreach's ~20.
+- ``"fused"``: three ``torch.compile``-d kernels per fragment (moments; sums of squares; update) for
+  fragments of 64k elements or more, the foreach ops for the rest: 15 passes. The accelerator path.
+- ``"foreach"``: eager ``torch._foreach_*`` ops over the fragment lists; needs no compiler.
+
+``impl="auto"`` takes ``cpu`` for CPU tensors and ``fused`` elsewhere, and falls back (with a warning) to
+``fused`` / ``foreach`` when a build fails.
 
 Precision: state (m, v) is always fp32. A parameter that is not fp32 (bf16 outside DeepSpeed) gets an fp32
 master copy in the state; the update is applied to the master in fp32 and the master is cast (round to
