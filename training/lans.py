@@ -6,9 +6,9 @@ rank, so a naive layer-wise optimizer takes norms over arbitrary slices of conca
 changes with the world size. Here every parameter group is described by a *layout*: a list of fragments
 ``(start, numel, tensor index)`` of the flat tensor the optimizer sees. Norms are summed per fragment, added
 per tensor, all-reduced over the data-parallel group (LANS: one call for ||g||, one for ||w|| and the two
-update norms; LAMB: one call), and the per-tensor factors are applied back to the local fragments. Without ZeRO a tensor is its own
-single fragment and no communication happens. ``attach_zero(engine)`` builds the layouts from DeepSpeed's
-own lp->hp fragment links (see ``training/zero_map.py``).
+update norms; LAMB: one call), and the per-tensor factors are applied back to the local fragments. Without
+ZeRO a tensor is its own single fragment and no communication happens. ``attach_zero(engine)`` builds the
+layouts from DeepSpeed's own lp->hp fragment links (see ``training/zero_map.py``).
 
 Maths (LANS, Zheng et al. 2020, Algorithm 2), per tensor with gradient g at step t::
 
@@ -114,10 +114,11 @@ _DOT_CHUNK = 1 << 16
 def sum_of_squares(xs: list[torch.Tensor]) -> torch.Tensor:
     """Per-tensor sums of squares of 1-D contiguous tensors, float64 on the tensors' device.
 
-    On CPU: BLAS dot products over chunks of 64k elements, added in float64: close to the speed of one read of the
-    data, and within ~1e-6 relative (~1e-8 on typical fp32 data; MKL's fp32 dot over 4M elements drifts by
-    3e-6 to 4e-5). (torch's CPU ``vector_norm`` / ``_foreach_norm`` in fp32 are 3-4x slower
-    and off by 2.5e-3 relative on a 23M-element tensor, BERT's word embedding.)
+    On CPU (the foreach and torch.compile paths; the C++ path has its own): BLAS dot products over chunks of
+    64k elements, added in float64: close to the speed of one read of the data, and within ~1e-6 relative
+    (~1e-8 on typical fp32 data; MKL's fp32 dot over 4M elements drifts by 3e-6 to 4e-5). torch's CPU
+    ``vector_norm`` / ``_foreach_norm`` in fp32 are 3-4x slower and off by 2.5e-3 relative on a
+    23M-element tensor, BERT's word embedding.
     """
     if not xs:
         return torch.zeros(0, dtype=torch.float64)
@@ -148,7 +149,7 @@ def sum_of_squares(xs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _moments_kernel(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor) -> None:
-    """m <- b1 m + (1-b1) s g ; v <- b2 v + (1-b2) (s g)^2, in place (s = 1/(||g||+eps) for LANS, 1 for LAMB)."""
+    """In place: m <- b1 m + (1-b1) s g ; v <- b2 v + (1-b2) (s g)^2; s = 1/(||g||+eps) (LANS) or 1 (LAMB)."""
     gt = g.float() * sc[0]
     m.copy_(torch.lerp(m, gt, sc[1]))
     v.copy_(v * sc[2] + gt * gt * sc[3])
@@ -218,11 +219,11 @@ _CPU_EXT: list = []  # [module or None] once tried
 
 
 def _cpu_kernels(required: bool = False) -> Any:
-    """The C++ CPU kernels (``training/csrc/lans_cpu.cpp``), built on first use with torch's extension builder
-    and cached under ~/.cache/torch_extensions (a file lock keeps concurrent ranks from building twice).
-    ``-march=native``: the cache name carries a hash of this CPU's model and flags, so a home directory shared by
-    different machines does not hand one machine another's binary. None if the build fails (a warning), or
-    UserError when ``required`` (impl="cpu" asked for explicitly)."""
+    """The C++ CPU kernels (``training/csrc/lans_cpu.cpp``), built on first use with torch's extension
+    builder and cached under ~/.cache/torch_extensions (a file lock keeps concurrent ranks from building
+    twice). ``-march=native``: the cache name carries a hash of this CPU's model and flags, so a home
+    directory shared by different machines does not hand one machine another's binary. None if the build
+    fails (with a warning), or UserError when ``required`` (impl="cpu" asked for explicitly)."""
     if not _CPU_EXT:
         import hashlib
         import platform
@@ -523,7 +524,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
             dim=1,
         ).to(torch.float32)
 
-        # Phase 2: moments; partial ||r'||^2, ||c'||^2, ||w||^2 per fragment; one all-reduce (LAMB's only one).
+        # Phase 2: moments; partial ||r'||^2, ||c'||^2, ||w||^2 per fragment; one all-reduce (LAMB's only).
         uq = torch.zeros((3, num_tensors), dtype=torch.float64, device=device)
         parts = torch.zeros((nfrag, 3), dtype=torch.float64, device=device)
         if cpu is not None and nfrag:
@@ -586,7 +587,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
 
     @classmethod
     def _foreach_moments(cls, ws, gs, ms, vs, sc, lans: bool) -> tuple[torch.Tensor, list, list | None]:
-        """Update m, v; return the partial sums of squares of r', c', w (F, 3) and the materialised r' (and c')."""
+        """Update m, v; return the partial sums of squares of r', c', w (F, 3) and the materialised r', c'."""
         s, omb1, b2, omb2, epsp, wdr, wdc = sc.t().tolist()
         gf = [g if g.dtype == torch.float32 else g.float() for g in gs]
         gt = torch._foreach_mul(gf, s) if lans else gf

@@ -78,8 +78,8 @@ void sumsq_block(const G* x, int64_t begin, int64_t end, double* out) {
 }
 
 template <typename G>
-void moments_block(const G* g, const float* w, float* m, float* v, const float* sc, int64_t begin, int64_t end,
-                   double* out) {
+void moments_block(const G* g, const float* w, float* m, float* v, const float* sc, int64_t begin,
+                   int64_t end, double* out) {
   const float s = sc[0], omb1 = sc[1], b2 = sc[2], omb2 = sc[3], eps = sc[4], wdr = sc[5], wdc = sc[6];
   double rr = 0.0, cc = 0.0, ww = 0.0;
   for (int64_t s0 = begin; s0 < end; s0 += kInner) {
@@ -157,7 +157,8 @@ at::Tensor sum_of_squares(const std::vector<at::Tensor>& xs) {
 }
 
 at::Tensor moments_sumsq(const std::vector<at::Tensor>& gs, const std::vector<at::Tensor>& ws,
-                         const std::vector<at::Tensor>& ms, const std::vector<at::Tensor>& vs, const at::Tensor& sc) {
+                         const std::vector<at::Tensor>& ms, const std::vector<at::Tensor>& vs,
+                         const at::Tensor& sc) {
   check_group(gs, ws, ms, vs, sc);
   const auto items = make_items(ws);
   std::vector<double> partial(3 * items.size());
@@ -172,14 +173,16 @@ at::Tensor moments_sumsq(const std::vector<at::Tensor>& gs, const std::vector<at
       if (gs[f].scalar_type() == at::kFloat)
         moments_block(gs[f].data_ptr<float>(), w, m, v, scp + 7 * f, it.begin, it.end, &partial[3 * k]);
       else
-        moments_block(gs[f].data_ptr<at::BFloat16>(), w, m, v, scp + 7 * f, it.begin, it.end, &partial[3 * k]);
+        moments_block(gs[f].data_ptr<at::BFloat16>(), w, m, v, scp + 7 * f, it.begin, it.end,
+                      &partial[3 * k]);
     }
   });
   return reduce_items(items, partial, static_cast<int64_t>(ws.size()), 3);
 }
 
-void update(const std::vector<at::Tensor>& gs, const std::vector<at::Tensor>& ws, const std::vector<at::Tensor>& ms,
-            const std::vector<at::Tensor>& vs, const at::Tensor& sc, const at::Tensor& a) {
+void update(const std::vector<at::Tensor>& gs, const std::vector<at::Tensor>& ws,
+            const std::vector<at::Tensor>& ms, const std::vector<at::Tensor>& vs, const at::Tensor& sc,
+            const at::Tensor& a) {
   check_group(gs, ws, ms, vs, sc);
   TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.dim() == 2 && a.size(1) == 2 &&
                   a.size(0) == sc.size(0),
