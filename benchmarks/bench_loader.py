@@ -25,14 +25,10 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-NAMES = [
-    "input_ids",
-    "input_mask",
-    "segment_ids",
-    "masked_lm_positions",
-    "masked_lm_ids",
-    "next_sentence_labels",
-]
+
+from data.h5format import BERT_SCHEMA  # noqa: E402
+
+NAMES = list(BERT_SCHEMA)  # the datasets of a BERT shard, NVIDIA's names and order
 
 
 def run_ours(path: str, workers: int, mb: int, seconds: float) -> dict:

@@ -20,17 +20,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.errors import UserError
+from data.h5format import BERT_SCHEMA
 from data.loader import PretrainingLoader
 from tests.conftest import REPO, run_env
 
-NAMES = [
-    "input_ids",
-    "input_mask",
-    "segment_ids",
-    "masked_lm_positions",
-    "masked_lm_ids",
-    "next_sentence_labels",
-]
+NAMES = list(BERT_SCHEMA)  # the datasets of a BERT shard, NVIDIA's names and order
 ORDER = {"block_size": 64, "window_blocks": 4}  # several windows even on the small sample
 
 
