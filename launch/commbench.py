@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from common.errors import UserError
-from common.net import own_address
+from common.net import free_port, own_address
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 PUBLISHED_ROW_BYTES = 32 * 1024 * 1024
@@ -330,13 +330,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start `deepspeed --num_gpus N` for this command",
     )
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
-
-
-def free_port() -> int:
-    """A TCP port free right now on this machine (others may run DeepSpeed jobs on the default 29500)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rank_argv(args: argparse.Namespace) -> list[str]:

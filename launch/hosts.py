@@ -32,6 +32,7 @@ from pathlib import Path
 from common.atomic import atomic_write_text
 from common.errors import UserError
 from common.log import get_logger
+from common.net import UNKNOWN_ADDRESS, own_address
 
 log = get_logger("launch.hosts")
 
@@ -171,13 +172,6 @@ def parse_hostfile(path: str | os.PathLike) -> list[Host]:
 # ----------------------------------------------------------------------------- AWS Batch registration
 
 
-def _own_ip_towards(addr: str) -> str:
-    """The local address the kernel would use to reach ``addr`` (a UDP connect sends no packet)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((addr, 9))
-        return s.getsockname()[0]
-
-
 def _first_hostname_ip() -> str:
     """This node's first address from ``hostname -I`` (what DeepSpeed's runner uses for --master_addr)."""
     try:
@@ -304,7 +298,11 @@ def awsbatch_hosts(slots: int, port: int, timeout_s: float, ip: str | None) -> t
     if not main_ip:
         raise UserError("AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS is not set on this child node")
     validate_host(main_ip)
-    my_ip = validate_host(ip or _own_ip_towards(main_ip))
+    if ip is None:
+        ip = own_address(main_ip)
+        if ip == UNKNOWN_ADDRESS:
+            raise UserError(f"no route from this node to the main node {main_ip}; pass --ip")
+    my_ip = validate_host(ip)
     hosts = register_with_main(main_ip, port, index, my_ip, slots, timeout_s)
     names = [h.name for h in hosts]
     if my_ip not in names:

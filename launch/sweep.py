@@ -25,6 +25,7 @@ from pathlib import Path
 
 from common.errors import UserError
 from common.log import get_logger
+from common.net import free_port
 
 log = get_logger("launch.sweep")
 
@@ -37,12 +38,6 @@ def _int_list(text: str, flag: str) -> list[int]:
     if not vals or any(v <= 0 for v in vals):
         raise UserError(f"{flag} must list positive integers (got {text!r})")
     return sorted(set(vals))
-
-
-def free_port() -> int:
-    from launch.commbench import free_port as _free_port
-
-    return _free_port()
 
 
 def plan(args: argparse.Namespace) -> list[tuple[Path, list[str], dict[str, str]]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from common.errors import UserError
-from launch.commbench import free_port
+from common.net import free_port
 from launch.hosts import Host, expand_slurm_nodelist, hostfile_text, parse_hostfile, validate_host
 from tests.conftest import REPO, run_env
 

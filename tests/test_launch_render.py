@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.commbench import free_port
+from common.net import free_port
 from tests.conftest import REPO, run_env
 
 EVIL = "x; touch {canary}"
