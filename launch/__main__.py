@@ -37,6 +37,7 @@ SUBCOMMANDS = {
         "launch.commbench",
         "all-reduce / all-gather / reduce-scatter bandwidth (run under deepspeed)",
     ),
+    "bundle": ("launch.bundle", "folder of wheels that installs the project offline (pip --no-index)"),
 }
 
 

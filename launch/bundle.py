@@ -1,0 +1,534 @@
+"""``python -m launch bundle``: a folder of wheels that installs the project on a machine with no internet.
+
+    python -m launch bundle --out BUNDLE --python-version 3.12 --platform manylinux_2_28_x86_64 \\
+        --platform manylinux2014_x86_64 --have torch==2.11.0 --have transformers --sample
+    # on the target:  pip install --no-index --find-links BUNDLE wikipretrain
+
+What it does, in order:
+1. builds the project's own wheel from this checkout (``pip wheel --no-deps``, in a scratch copy);
+2. builds a DeepSpeed wheel from its sdist (the package index has no DeepSpeed wheel) unless the target already
+   has a satisfying DeepSpeed: ``DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation deepspeed==VERSION``
+   (ops are compiled just in time on the target, so the wheel is pure Python and fits any platform);
+3. resolves the whole dependency closure for the target with pip's own resolver (``pip install --dry-run
+   --report`` with ``--only-binary=:all: --python-version --platform``; only metadata is fetched), pinning what
+   the target already has (its ``pip freeze`` or ``--have``) so the versions chosen fit it;
+4. keeps the packages reachable from the project without passing through one the target has, and downloads
+   exactly those (``pip download --no-deps --only-binary=:all:``);
+5. optionally copies the enwiki sample dump, and writes MANIFEST.json (name, version, size, sha256 of each file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from email.parser import Parser
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import InvalidVersion, Version
+
+from common.errors import UserError
+from common.log import get_logger
+
+log = get_logger("bundle")
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+MANIFEST = "MANIFEST.json"
+SAMPLE_DIR = "sample"
+
+# Wheel platform tags pip understands (PEP 425/600/656 and the legacy manylinux aliases).
+_PLATFORM_RE = re.compile(
+    r"^(?:(?P<linux>manylinux_\d+_\d+|manylinux1|manylinux2010|manylinux2014|musllinux_\d+_\d+|linux)"
+    r"_(?P<lmach>x86_64|i686|aarch64|ppc64le|s390x|armv7l|riscv64)"
+    r"|(?P<mac>macosx_\d+_\d+)_(?P<mmach>x86_64|arm64|universal2|intel)"
+    r"|(?P<win>win_amd64|win32|win_arm64))$"
+)
+_WIN_MACHINE = {"win_amd64": "AMD64", "win32": "x86", "win_arm64": "ARM64"}
+
+
+@dataclass
+class Target:
+    """The machine the bundle is for: interpreter, platform tags and what it already has installed."""
+
+    python_version: str
+    platforms: list[str]
+    implementation: str = "cp"
+    have: dict[str, str | None] = field(default_factory=dict)  # canonical name -> version (None: unknown)
+
+    def marker_env(self, extra: str = "") -> dict[str, str]:
+        m = _PLATFORM_RE.match(self.platforms[0])
+        assert m is not None
+        if m.group("linux"):
+            sys_platform, system, machine = "linux", "Linux", m.group("lmach")
+        elif m.group("mac"):
+            sys_platform, system = "darwin", "Darwin"
+            machine = {"intel": "x86_64", "universal2": "arm64"}.get(m.group("mmach"), m.group("mmach"))
+        else:
+            sys_platform, system, machine = "win32", "Windows", _WIN_MACHINE[m.group("win")]
+        impl = {"cp": ("cpython", "CPython"), "pp": ("pypy", "PyPy")}.get(self.implementation, ("", ""))
+        return {
+            "python_version": self.python_version,
+            "python_full_version": self.python_version + ".0",
+            "implementation_version": self.python_version + ".0",
+            "sys_platform": sys_platform,
+            "platform_system": system,
+            "platform_machine": machine,
+            "os_name": "nt" if sys_platform == "win32" else "posix",
+            "implementation_name": impl[0],
+            "platform_python_implementation": impl[1],
+            "platform_release": "",
+            "platform_version": "",
+            "extra": extra,
+        }
+
+    def pip_target_args(self) -> list[str]:
+        args = ["--only-binary=:all:", "--python-version", self.python_version, "--implementation"]
+        args.append(self.implementation)
+        for p in self.platforms:
+            args += ["--platform", p]
+        return args
+
+    def has(self, req: Requirement) -> bool:
+        """The target has a distribution that satisfies ``req`` (an unknown version is taken as satisfying)."""
+        name = canonicalize_name(req.name)
+        if name not in self.have:
+            return False
+        ver = self.have[name]
+        return ver is None or req.specifier.contains(ver, prereleases=True)
+
+
+def check_platforms(platforms: list[str]) -> None:
+    kinds = set()
+    for p in platforms:
+        m = _PLATFORM_RE.match(p)
+        if m is None:
+            raise UserError(
+                f"--platform {p}: unknown wheel platform tag (e.g. manylinux_2_28_x86_64, manylinux2014_x86_64, "
+                "macosx_11_0_arm64, win_amd64)"
+            )
+        kinds.add("linux" if m.group("linux") else "mac" if m.group("mac") else "win")
+    if len(kinds) > 1:
+        raise UserError(f"--platform {' '.join(platforms)}: tags for different operating systems; give one")
+
+
+def parse_have_line(line: str, where: str) -> tuple[str, str | None] | None:
+    """One ``pip freeze`` line (or a --have value) -> (canonical name, version or None); None to skip it."""
+    line = line.split("#", 1)[0].strip()
+    if not line or line.startswith("-"):  # comments, -e editable installs, options
+        return None
+    if " @ " in line:  # "name @ file:///..." (a direct install): present, version unknown
+        name = line.split(" @ ", 1)[0].strip()
+        return canonicalize_name(name), None
+    if "==" in line:
+        name, _, ver = line.partition("==")
+        name, ver = name.strip(), ver.strip()
+        try:
+            Version(ver)
+        except InvalidVersion:
+            raise UserError(f"{where}: {line!r} has an invalid version {ver!r}") from None
+    elif re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", line):
+        name, ver = line, None
+    else:
+        raise UserError(f"{where}: {line!r} is neither NAME==VERSION nor NAME")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise UserError(f"{where}: {line!r} has an invalid package name {name!r}")
+    return canonicalize_name(name), ver
+
+
+def read_have(freeze: str | None, have: list[str]) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    if freeze:
+        path = Path(freeze)
+        if not path.is_file():
+            raise UserError(f"--target-freeze {freeze}: no such file")
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            got = parse_have_line(line, f"{freeze}:{i}")
+            if got:
+                out[got[0]] = got[1]
+    for value in have:
+        got = parse_have_line(value, f"--have {value}")
+        if got:
+            out[got[0]] = got[1]
+    return out
+
+
+def pip(args: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
+    """Run ``python -m pip ARGS``; a failure becomes one line naming ``what`` and pip's own error line."""
+    cmd = [sys.executable, "-m", "pip", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
+    if res.returncode != 0:
+        lines = [ln.strip() for ln in (res.stderr + res.stdout).splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR:")] or lines[-1:] or ["(no output)"]
+        first = errors[0].removeprefix("ERROR:").strip()
+        raise UserError(f"{what}: pip failed: {first}")
+    return res.stdout
+
+
+def wheel_metadata(whl: Path) -> dict[str, object]:
+    """Name, version, requirements and extras from a wheel's METADATA."""
+    with zipfile.ZipFile(whl) as z:
+        names = [n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1]
+        if not names:
+            raise UserError(f"{whl}: not a wheel (no .dist-info/METADATA)")
+        msg = Parser().parsestr(z.read(names[0]).decode("utf-8"))
+    return {
+        "name": msg["Name"],
+        "version": msg["Version"],
+        "requires_dist": msg.get_all("Requires-Dist") or [],
+        "provides_extra": [canonicalize_name(e) for e in msg.get_all("Provides-Extra") or []],
+    }
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def build_project_wheel(src: Path, dest: Path) -> Path:
+    """The project's wheel, built from a scratch copy of the checkout (so the checkout gets no build/ folder)."""
+    if not (src / "pyproject.toml").is_file():
+        raise UserError(
+            f"{src}: no pyproject.toml; run the bundle command from a source checkout (or --project)"
+        )
+    skip = shutil.ignore_patterns(
+        ".git",
+        ".venv",
+        "venv",
+        "runs",
+        "build",
+        "dist",
+        "*.egg-info",
+        "__pycache__",
+        ".*_cache",
+        "wandb",
+        "*.tmp",
+    )
+    with tempfile.TemporaryDirectory(prefix="bundle-src-") as tmp:
+        copy = Path(tmp) / "src"
+        shutil.copytree(src, copy, ignore=skip, symlinks=True)
+        before = set(dest.glob("*.whl"))
+        args = ["wheel", "--no-deps", "-q", "-w", str(dest)]
+        try:
+            import setuptools  # noqa: F401
+
+            args.append("--no-build-isolation")  # no network needed for the build backend
+        except ImportError:
+            pass
+        pip([*args, str(copy)], f"{src}: building the project wheel")
+    new = sorted(set(dest.glob("*.whl")) - before)
+    if len(new) != 1:
+        raise UserError(f"{src}: building the project wheel produced {len(new)} wheels, expected 1")
+    return new[0]
+
+
+def deepspeed_version(spec: Requirement, wanted: str | None) -> str:
+    """The DeepSpeed version to build: --deepspeed, else the one installed here if it fits, else the newest."""
+    if wanted:
+        if not spec.specifier.contains(wanted, prereleases=True):
+            raise UserError(f"--deepspeed {wanted}: the project requires {spec}")
+        return wanted
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        here = version("deepspeed")
+    except PackageNotFoundError:
+        here = None
+    if here and spec.specifier.contains(here, prereleases=True):
+        return Version(here).public
+    return ""
+
+
+def build_deepspeed_wheel(spec: Requirement, wanted: str | None, dest: Path) -> Path:
+    """A pure-Python DeepSpeed wheel built from the sdist with DS_BUILD_OPS=0 (needs torch installed here)."""
+    ver = deepspeed_version(spec, wanted)
+    req = f"deepspeed=={ver}" if ver else str(spec)
+    env = dict(os.environ, DS_BUILD_OPS="0")
+    before = set(dest.glob("*.whl"))
+    args = [
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-binary",
+        "deepspeed",
+        "-q",
+        "-w",
+        str(dest),
+        req,
+    ]
+    pip(args, f"{req}: building the DeepSpeed wheel from its sdist", env=env)
+    new = sorted(p for p in set(dest.glob("*.whl")) - before if p.name.lower().startswith("deepspeed-"))
+    if len(new) != 1:
+        raise UserError(f"{req}: building the DeepSpeed wheel produced {len(new)} wheels, expected 1")
+    if not new[0].name.endswith("-py3-none-any.whl"):
+        raise UserError(
+            f"{new[0].name}: the DeepSpeed wheel is platform-specific; rebuild with DS_BUILD_OPS=0"
+        )
+    return new[0]
+
+
+def resolve(target: Target, roots: list[str], scratch: Path) -> list[dict]:
+    """pip's resolution of ``roots`` for the target (metadata only), as the entries of its install report."""
+    constraints = scratch / "target-has.txt"
+    pins = [f"{name}=={Version(v).public}" for name, v in sorted(target.have.items()) if v is not None]
+    constraints.write_text("".join(p + "\n" for p in pins))
+    report = scratch / "report.json"
+    args = ["install", "--dry-run", "--ignore-installed", "-q", "--report", str(report)]
+    args += [*target.pip_target_args(), "-c", str(constraints), *roots]
+    pip(args, f"resolving for python {target.python_version} / {' '.join(target.platforms)}")
+    return json.loads(report.read_text())["install"]
+
+
+def closure(target: Target, entries: list[dict], root: str, extras: list[str]) -> list[dict]:
+    """Entries reachable from ``root`` (with ``extras``) without passing through a package the target has."""
+    by_name = {canonicalize_name(e["metadata"]["name"]): e for e in entries}
+    keep: dict[str, dict] = {}
+    todo: list[tuple[str, frozenset[str], str]] = [(canonicalize_name(root), frozenset(extras), "")]
+    seen: set[tuple[str, frozenset[str]]] = set()
+    while todo:
+        name, want_extras, parent = todo.pop()
+        if (name, want_extras) in seen:
+            continue
+        seen.add((name, want_extras))
+        entry = by_name.get(name)
+        if entry is None:
+            raise UserError(
+                f"{name} (required by {parent}) was not resolved for the target; add it with --have or check "
+                "--platform"
+            )
+        keep[name] = entry
+        for line in entry["metadata"].get("requires_dist", []):
+            req = Requirement(line)
+            markers = [""] + sorted(want_extras)
+            if req.marker and not any(req.marker.evaluate(target.marker_env(x)) for x in markers):
+                continue
+            if target.has(req):
+                continue
+            todo.append(
+                (canonicalize_name(req.name), frozenset(canonicalize_name(x) for x in req.extras), name)
+            )
+    return list(keep.values())
+
+
+def _direct_conflicts(target: Target, reqs: list[str], extras: list[str]) -> list[str]:
+    """Packages the target has at a version the project's direct requirements reject: they go in the bundle."""
+    dropped = []
+    for line in reqs:
+        req = Requirement(line)
+        envs = [target.marker_env(x) for x in ["", *extras]]
+        if req.marker and not any(req.marker.evaluate(e) for e in envs):
+            continue
+        name = canonicalize_name(req.name)
+        if name in target.have and not target.has(req):
+            dropped.append(f"{name}=={target.have.pop(name)} (project needs {req.specifier})")
+    return dropped
+
+
+def build_bundle(
+    out: Path,
+    target: Target,
+    extras: list[str],
+    sample: bool = False,
+    project: Path = PROJECT_ROOT,
+    deepspeed: str | None = None,
+) -> dict:
+    """Write the bundle into ``out`` (created; must be absent, empty or a previous bundle) and return the manifest."""
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bundle-") as tmp:
+        scratch = Path(tmp)
+        built = scratch / "built"
+        built.mkdir()
+        proj_whl = build_project_wheel(project, built)
+        meta = wheel_metadata(proj_whl)
+        proj_name = canonicalize_name(str(meta["name"]))
+        extras = [canonicalize_name(x) for x in extras]
+        unknown = [x for x in extras if x not in meta["provides_extra"]]  # type: ignore[operator]
+        if unknown:
+            raise UserError(
+                f"--extras {','.join(unknown)}: {meta['name']} has no such extra "
+                f"(it has: {', '.join(meta['provides_extra']) or 'none'})"  # type: ignore[arg-type]
+            )
+        target.have.pop(proj_name, None)  # the bundle always carries the project itself
+        requires = [str(r) for r in meta["requires_dist"]]  # type: ignore[union-attr]
+        upgraded = _direct_conflicts(target, requires, extras)
+        for line in upgraded:
+            log.info(f"the target's {line}: bundling a newer one")
+
+        local = {proj_name: proj_whl}
+        ds_req = next(
+            (Requirement(r) for r in requires if canonicalize_name(Requirement(r).name) == "deepspeed"), None
+        )
+        if ds_req is not None and not target.has(ds_req):
+            log.info("building DeepSpeed from its sdist (DS_BUILD_OPS=0) ...")
+            local["deepspeed"] = build_deepspeed_wheel(ds_req, deepspeed, built)
+
+        extra_s = f"[{','.join(extras)}]" if extras else ""
+        roots = [f"{proj_name}{extra_s} @ {proj_whl.as_uri()}"]
+        roots += [f"{name} @ {whl.as_uri()}" for name, whl in local.items() if name != proj_name]
+        log.info(
+            f"resolving {proj_name}{extra_s} for python {target.python_version} / {' '.join(target.platforms)}"
+        )
+        entries = resolve(target, roots, scratch)
+        wanted = closure(target, entries, proj_name, extras)
+
+        # Clear a previous bundle's files only now that the new one resolved.
+        for old in [*out.glob("*.whl"), out / MANIFEST, out / SAMPLE_DIR]:
+            if old.is_dir():
+                shutil.rmtree(old)
+            elif old.exists():
+                old.unlink()
+        pins = []
+        for e in wanted:
+            name = canonicalize_name(e["metadata"]["name"])
+            if name in local:
+                shutil.copy2(local[name], out / local[name].name)
+            else:
+                pins.append(f"{name}=={e['metadata']['version']}")
+        if pins:
+            log.info(f"downloading {len(pins)} wheels: {' '.join(sorted(pins))}")
+            args = ["download", "--no-deps", "-q", "-d", str(out), *target.pip_target_args(), *sorted(pins)]
+            pip(args, f"downloading wheels for python {target.python_version} / {' '.join(target.platforms)}")
+
+    files = []
+    for whl in sorted(out.glob("*.whl")):
+        m = wheel_metadata(whl)
+        name = canonicalize_name(str(m["name"]))
+        source = "built" if name in local else "index"
+        files.append(
+            {
+                "file": whl.name,
+                "name": name,
+                "version": m["version"],
+                "source": source,
+                "size": whl.stat().st_size,
+                "sha256": sha256(whl),
+            }
+        )
+    if sample:
+        from data.sample import sample_dump_path
+
+        dump = sample_dump_path()
+        (out / SAMPLE_DIR).mkdir()
+        dst = out / SAMPLE_DIR / dump.name
+        shutil.copy2(dump, dst)
+        files.append(
+            {
+                "file": f"{SAMPLE_DIR}/{dump.name}",
+                "name": "enwiki-sample",
+                "version": "",
+                "source": "sample",
+                "size": dst.stat().st_size,
+                "sha256": sha256(dst),
+            }
+        )
+    manifest = {
+        "project": proj_name,
+        "version": meta["version"],
+        "extras": extras,
+        "python_version": target.python_version,
+        "implementation": target.implementation,
+        "platforms": target.platforms,
+        "target_has": {k: v for k, v in sorted(target.have.items())},
+        "upgraded": upgraded,
+        "install": f"pip install --no-index --find-links {out} '{proj_name}{extra_s}'",
+        "total_bytes": sum(f["size"] for f in files),
+        "files": files,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, help="bundle folder (absent, empty, or a previous bundle)")
+    parser.add_argument(
+        "--python-version",
+        default=f"{sys.version_info[0]}.{sys.version_info[1]}",
+        help="target interpreter, e.g. 3.12 (default: this one)",
+    )
+    parser.add_argument(
+        "--platform",
+        action="append",
+        default=None,
+        help="target wheel platform tag, repeatable (e.g. manylinux_2_28_x86_64); default: this one",
+    )
+    parser.add_argument(
+        "--implementation", default="cp", help="target Python implementation tag (default cp)"
+    )
+    parser.add_argument(
+        "--target-freeze",
+        default=None,
+        help="the target's `pip freeze`: what it has is left out of the bundle",
+    )
+    parser.add_argument(
+        "--have",
+        action="append",
+        default=[],
+        help="NAME==VERSION (or NAME, any version) the target already has; repeatable",
+    )
+    parser.add_argument(
+        "--extras", default="", help="comma list of the project's extras to include (e.g. wandb)"
+    )
+    parser.add_argument(
+        "--deepspeed", default=None, help="DeepSpeed version to build (default: the one here)"
+    )
+    parser.add_argument(
+        "--sample", action="store_true", help="also carry the enwiki sample dump (sample/*.bz2)"
+    )
+    parser.add_argument(
+        "--project", default=str(PROJECT_ROOT), help="source checkout to build (default: this one)"
+    )
+
+
+def host_platforms() -> list[str]:
+    """This machine's most specific manylinux tag and the manylinux2014 alias (pip accepts older ones too)."""
+    import sysconfig
+
+    plat = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    if plat.startswith("linux_"):
+        machine = plat.removeprefix("linux_")
+        import platform as _p
+
+        libc, ver = _p.libc_ver()
+        if libc == "glibc" and ver:
+            major, minor = ver.split(".")[:2]
+            return [f"manylinux_{major}_{minor}_{machine}", f"manylinux2014_{machine}", f"linux_{machine}"]
+    return [plat]
+
+
+def run(args: argparse.Namespace) -> int:
+    if not re.fullmatch(r"3\.\d{1,2}", args.python_version):
+        raise UserError(f"--python-version {args.python_version}: expected MAJOR.MINOR such as 3.12")
+    platforms = args.platform or host_platforms()
+    check_platforms(platforms)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise UserError(
+            f"--out {out}: folder is not empty and holds no {MANIFEST}; give a new or empty folder"
+        )
+    target = Target(
+        args.python_version, platforms, args.implementation, read_have(args.target_freeze, args.have)
+    )
+    extras = [x.strip() for x in args.extras.split(",") if x.strip()]
+    m = build_bundle(
+        out, target, extras, sample=args.sample, project=Path(args.project), deepspeed=args.deepspeed
+    )
+    width = max((len(f["file"]) for f in m["files"]), default=10)
+    for f in m["files"]:
+        print(f"{f['file']:<{width}}  {f['size'] / 2**20:8.2f} MiB  {f['source']}")
+    print(f"{len(m['files'])} files, {m['total_bytes'] / 2**20:.1f} MiB in {out}")
+    print(f"on the target: {m['install']}")
+    return 0
