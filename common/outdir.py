@@ -2,9 +2,9 @@
 
 A run refuses a directory that holds anything but its own leftover temporaries unless ``--overwrite``.
 With it, the previous output stays until the new one is complete (a failed rerun loses nothing): each new
-file replaces its namesake atomically (``common.atomic``), and only after success does ``remove_stale`` delete the previous
-run's outputs that the new run did not write (a rerun with fewer shards). Files that are not outputs of the
-command (a README the user keeps there) are never deleted.
+file replaces its namesake atomically (``common.atomic``), and only after success does ``remove_stale``
+delete the previous run's outputs that the new run did not write (a rerun with fewer shards). Files that are
+not outputs of the command (a README the user keeps there) are never deleted.
 """
 
 from __future__ import annotations
