@@ -70,6 +70,9 @@ class OptimizerSection:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-6
     weight_decay: float = 0.01
+    trust_no_decay: bool = True
+    """LANS/LAMB: apply the trust ratio to the group without weight decay (biases, LayerNorm) too, as the
+    papers do; false gives that group ratio 1, as NVIDIA's FusedLAMB does. No effect on adamw."""
 
 
 @dataclass
