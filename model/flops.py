@@ -1,4 +1,4 @@
-"""Training FLOPs per token and peak FLOP/s per device: the only inputs to MFU.
+"""Training FLOPs per token: MFU's numerator (the device peak is ``training.devices.peak_flops``).
 
 Convention (PaLM appendix B; torchtitan and llm.c use the same):
 
@@ -19,25 +19,9 @@ Convention (PaLM appendix B; torchtitan and llm.c use the same):
 from __future__ import annotations
 
 import functools
-import time
-
-import torch
 
 from model.build import build_model
 from model.registry import ModelSpec
-
-# Peak dense BF16 tensor FLOP/s per device (vendor datasheets, without sparsity).
-PEAK_BF16_FLOPS: dict[str, float] = {
-    "H100 SXM": 989.4e12,
-    "H100 PCIe": 756.0e12,
-    "H100 NVL": 835.0e12,
-    "H200": 989.4e12,
-    "GH200": 989.4e12,
-    "A100": 312.0e12,
-    "A10G": 70.0e12,
-    "L4": 121.0e12,
-    "Gaudi2": 432.0e12,
-}
 
 
 def _layer_and_head_params(spec: ModelSpec) -> tuple[int, int, int]:
@@ -75,47 +59,3 @@ def training_flops_per_token(spec: ModelSpec, seq_len: int, max_pred: int | None
     else:
         head = pred_head  # the LM head runs at every position
     return 6.0 * (layers + head) + attention
-
-
-def device_kind() -> str:
-    """A name from ``PEAK_BF16_FLOPS`` for the current accelerator, or ``"cpu"``."""
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name()
-    for kind in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
-        if kind.replace(" SXM", "") in name:
-            if kind == "H100 SXM" and ("PCIe" in name or "NVL" in name):
-                continue
-            return kind
-    return name
-
-
-@functools.cache
-def measure_cpu_bf16_peak(size: int = 1024, seconds: float = 1.0) -> float:
-    """Measured BF16 matmul FLOP/s of this process on the CPU (with its current thread count).
-
-    CPUs have no datasheet number that fits; the best sustained square BF16 matmul is the honest ceiling.
-    """
-    a = torch.randn(size, size, dtype=torch.bfloat16)
-    b = torch.randn(size, size, dtype=torch.bfloat16)
-    torch.mm(a, b)
-    best = 0.0
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        dt = time.perf_counter() - t0
-        best = max(best, 2 * size**3 / dt)
-    return best
-
-
-def peak_flops(kind: str | None = None) -> float:
-    """Peak dense BF16 FLOP/s of one device of ``kind`` (default: this process's device)."""
-    kind = kind or device_kind()
-    if kind == "cpu":
-        return measure_cpu_bf16_peak()
-    if kind not in PEAK_BF16_FLOPS:
-        raise KeyError(
-            f"no peak BF16 FLOP/s known for device {kind!r}; add it to model.flops.PEAK_BF16_FLOPS"
-        )
-    return PEAK_BF16_FLOPS[kind]

@@ -9,7 +9,10 @@ Conventions (every report in the application uses these functions and nothing el
 * **Per device** figures divide the job's figure by the number of devices (data-parallel ranks x model-parallel
   size); on CPU one rank stands for one device.
 * **TFLOP/s per device** = tokens/s per device x training FLOPs per token (``model.flops.training_flops_per_token``).
-* **MFU** = achieved FLOP/s per device / the device's peak dense BF16 FLOP/s (``model.flops.peak_flops``).
+* **MFU** = achieved FLOP/s per device / the device's peak (``training.devices.peak_flops``): the dense BF16
+  tensor FLOP/s from the vendor's datasheet for an accelerator in ``training.devices.PEAK_FLOPS``; on CPU the
+  fastest matmul measured on this CPU in the run's compute dtypes. No known peak, no MFU (None). MFU > 1 is a
+  bug in a FLOPs count or a peak, so ``mfu`` raises instead of clamping.
 * **Scaling efficiency** of a run = its per-device throughput / the per-device throughput of the smallest run
   (fewest devices) of the same configuration fingerprint. There is no efficiency without such a baseline.
 """
@@ -43,11 +46,26 @@ def tflops_per_device(tokens_per_sec_per_device: float, flops_per_token: float) 
     return tokens_per_sec_per_device * flops_per_token / 1e12
 
 
-def mfu(tokens_per_sec_per_device: float, flops_per_token: float, peak_flops_per_device: float) -> float:
-    """Model FLOPs utilisation, a fraction in [0, 1] for any honest measurement."""
+def mfu(
+    tokens_per_sec_per_device: float, flops_per_token: float, peak_flops_per_device: float | None
+) -> float | None:
+    """Model FLOPs utilisation in [0, 1], or None when the device's peak is unknown.
+
+    Raises ValueError, naming the figures, when the result exceeds 1: that cannot be right.
+    """
+    if peak_flops_per_device is None:
+        return None
     if peak_flops_per_device <= 0:
-        raise ValueError("peak FLOP/s must be positive")
-    return tokens_per_sec_per_device * flops_per_token / peak_flops_per_device
+        raise ValueError(f"peak FLOP/s must be positive (got {peak_flops_per_device})")
+    achieved = tokens_per_sec_per_device * flops_per_token
+    value = achieved / peak_flops_per_device
+    if value > 1:
+        raise ValueError(
+            f"MFU {value:.3f} > 1: {tokens_per_sec_per_device:.6g} tokens/s per device x "
+            f"{flops_per_token:.6g} FLOPs/token = {achieved:.6g} FLOP/s exceeds the device peak "
+            f"{peak_flops_per_device:.6g} FLOP/s; the FLOPs per token or the peak is wrong"
+        )
+    return value
 
 
 def scaling_efficiency(per_device_throughput: float, baseline_per_device_throughput: float) -> float:
