@@ -12,8 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from common.errors import UserError
 from common.log import get_logger
 from data import h5format
 from data.instances import BertSettings, SpecialIds, build_pairs, materialize, truncate_pairs
+from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
 from data.tokenize_text import (
     CachedBertTokenizer,
     InputShard,
@@ -37,7 +36,6 @@ from data.tokenize_text import (
 log = get_logger("data.bert")
 WRITE_BATCH = 4096
 _TOKENIZERS: dict[tuple, CachedBertTokenizer] = {}
-MIN_SEQ_LEN = 8
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,38 +71,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
 
 
-def validate_settings(args: argparse.Namespace) -> BertSettings:
-    """Settings that cannot produce valid instances are refused before anything is written.
-
-    seq_len >= 8 and seq_len >= max_pred + 3: [CLS] A [SEP] B [SEP] needs 3 specials and at least one
-    token on each side, and every prediction needs a non-special position.
-    """
-    if args.seq_len < MIN_SEQ_LEN:
-        raise UserError(f"--seq-len {args.seq_len}: must be >= {MIN_SEQ_LEN}")
-    if args.max_pred < 1:
-        raise UserError(f"--max-pred {args.max_pred}: must be >= 1")
-    if args.seq_len < args.max_pred + 3:
-        raise UserError(
-            f"--seq-len {args.seq_len} too small for --max-pred {args.max_pred}: need seq_len >= max_pred + 3"
-        )
-    if not 0.0 < args.masked_lm_prob < 1.0:
-        raise UserError(f"--masked-lm-prob {args.masked_lm_prob}: must be in (0, 1)")
-    if not 0.0 <= args.short_seq_prob <= 1.0:
-        raise UserError(f"--short-seq-prob {args.short_seq_prob}: must be in [0, 1]")
-    if args.dupe_factor < 1:
-        raise UserError(f"--dupe-factor {args.dupe_factor}: must be >= 1")
-    if args.workers < 1:
-        raise UserError(f"--workers {args.workers}: must be >= 1")
-    return BertSettings(
-        seq_len=args.seq_len,
-        max_pred=args.max_pred,
-        masked_lm_prob=args.masked_lm_prob,
-        dupe_factor=args.dupe_factor,
-        short_seq_prob=args.short_seq_prob,
-        whole_word_masking=args.whole_word_masking,
-    )
-
-
 def _shard_task(
     shard: InputShard,
     out_file: str,
@@ -113,11 +79,8 @@ def _shard_task(
     s: BertSettings,
     seed: int,
     attrs: dict[str, Any],
-    tok_threads: int,
 ) -> dict[str, Any]:
     """Build and write one output shard; runs in a worker process (or inline for --workers 1)."""
-    if tok_threads:
-        os.environ.setdefault("RAYON_RS_NUM_CPUS", str(tok_threads))
     t0 = time.perf_counter()
     words = check_bert_vocab(vocab)
     index = {w: i for i, w in enumerate(words)}
@@ -154,14 +117,9 @@ def _shard_task(
         )
         ds = {
             name: h5format.create_dataset(
-                f,
-                name,
-                (n_inst, S if name in ("input_ids", "input_mask", "segment_ids") else P)
-                if rank == 2
-                else (n_inst,),
-                dt,
+                f, name, (n_inst, fld.row_width(S, P)) if fld.rank == 2 else (n_inst,), fld.dtype
             )
-            for name, (rank, dt, _) in h5format.BERT_SCHEMA.items()
+            for name, fld in h5format.BERT_SCHEMA.items()
         }
         for start in range(0, n_inst, WRITE_BATCH):
             idx = np.arange(start, min(n_inst, start + WRITE_BATCH))
@@ -188,96 +146,80 @@ def _shard_task(
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def build_bert_shards(
+    text: str | os.PathLike,
+    vocab: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    seq_len: int = 128,
+    max_pred: int = 20,
+    dupe_factor: int = 5,
+    masked_lm_prob: float = 0.15,
+    short_seq_prob: float = 0.1,
+    whole_word_masking: bool = False,
+    lowercase: bool = True,
+    seed: int = 12345,
+    workers: int = 1,
+    shards: int = 0,
+    overwrite: bool = False,
+    progress: bool | None = False,
+) -> dict[str, Any]:
+    """Text shards -> ``bert-NNNNN.h5`` shards and ``manifest.json`` under ``out``; returns the totals.
+
+    ``shards=0``: one output shard per 32 MiB of text. The output depends on ``seed`` and the data,
+    never on ``workers``. ``progress=None`` shows a bar only on a terminal. Raises ``UserError``
+    (nothing left behind) on bad settings, a bad vocabulary, an empty corpus or a non-empty ``out``
+    without ``overwrite``.
+    """
     t0 = time.perf_counter()
-    s = validate_settings(args)
-    files = list_text_files(args.text)
-    words = check_bert_vocab(args.vocab)
-    out = Path(args.out)
-    plan = plan_shards(files, args.shards)
-    h5format.prepare_out_dir(out, args.overwrite)
-    vocab_sha = h5format.sha256_file(args.vocab)
+    s = BertSettings(seq_len, max_pred, masked_lm_prob, dupe_factor, short_seq_prob, whole_word_masking)
+    if workers < 1:
+        raise UserError(f"--workers {workers}: must be >= 1")
+    files = list_text_files(text)
+    words = check_bert_vocab(vocab)
+    out = Path(out)
+    plan = plan_shards(files, shards)
     settings = {
         "seq_len": s.seq_len,
         "max_pred": s.max_pred,
         "masked_lm_prob": s.masked_lm_prob,
         "dupe_factor": s.dupe_factor,
         "short_seq_prob": s.short_seq_prob,
-        "seed": args.seed,
+        "seed": seed,
         "whole_word_masking": s.whole_word_masking,
-        "lowercase": bool(args.lowercase),
-        "vocab_sha256": vocab_sha,
+        "lowercase": bool(lowercase),
+        "vocab_sha256": h5format.sha256_file(vocab),
         "vocab_size": len(words),
-        "vocab_file": Path(args.vocab).name,
+        "vocab_file": Path(vocab).name,
         "num_shards": len(plan),
     }
     attrs = {"format": h5format.BERT_FORMAT, "format_version": h5format.FORMAT_VERSION, **settings}
-    workers = min(args.workers, len(plan))
-    tok_threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else 0
-    tasks = [
-        (
-            sh,
-            str(out / f"bert-{sh.index:05d}.h5"),
-            str(args.vocab),
-            bool(args.lowercase),
-            s,
-            args.seed,
-            attrs,
-            tok_threads,
+    with ShardDir(out, "bert", overwrite) as dest:
+        jobs = [
+            ShardJob((sh, str(dest.path(sh.index)), str(vocab), bool(lowercase), s, seed, attrs), sh.nbytes)
+            for sh in plan
+        ]
+        results = run_shard_jobs(
+            _shard_task,
+            jobs,
+            workers=min(workers, len(plan)),
+            desc="bert instances",
+            unit="B",
+            total=sum(sh.nbytes for sh in plan),
+            progress=progress,
         )
-        for sh in plan
-    ]
-    from tqdm import tqdm
+        if sum(r["instances"] for r in results) == 0:
+            raise UserError(f"{text}: empty corpus (no tokens after tokenization)")
+        return dest.commit(results, settings, t0, rates=("instances", "tokens"))
 
-    bar = tqdm(
-        total=sum(sh.nbytes for sh in plan),
-        unit="B",
-        unit_scale=True,
-        desc="bert instances",
-        disable=True if args.no_progress else None,
-    )  # None: only on a terminal
-    results: list[dict[str, Any]] = []
-    ok = False
-    try:
-        if workers <= 1:
-            for t in tasks:
-                results.append(_shard_task(*t))
-                bar.update(t[0].nbytes)
-        else:
-            with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
-                futs = {ex.submit(_shard_task, *t): t[0].nbytes for t in tasks}
-                for fut in as_completed(futs):
-                    results.append(fut.result())
-                    bar.update(futs[fut])
-        ok = True
-    finally:
-        bar.close()
-        if not ok:  # a failed run leaves no shards that a manifest does not describe
-            for t in tasks:
-                Path(t[1]).unlink(missing_ok=True)
-    results.sort(key=lambda r: r["index"])
-    total_inst = sum(r["instances"] for r in results)
-    if total_inst == 0:
-        for r in results:
-            (out / r["file"]).unlink(missing_ok=True)
-        raise UserError(f"{args.text}: empty corpus (no tokens after tokenization)")
-    h5format.write_manifest(out, "bert", results, settings)
-    secs = time.perf_counter() - t0
-    summary = {
-        "documents": sum(r["documents"] for r in results),
-        "sentences": sum(r["sentences"] for r in results),
-        "input_tokens": sum(r["tokens"] for r in results),
-        "instances": total_inst,
-        "shards": len(results),
-        "seconds": round(secs, 2),
-        "instances_per_s": round(total_inst / secs, 1),
-        "input_tokens_per_s": round(sum(r["tokens"] for r in results) / secs, 1),
-    }
-    print(
-        f"bert: {summary['documents']} documents, {summary['sentences']} sentences, {summary['input_tokens']} input tokens"
-        f" -> {total_inst} instances in {summary['shards']} shard(s) under {out} in {secs:.1f}s"
-        f" ({summary['instances_per_s']:.0f} instances/s, {summary['input_tokens_per_s']:.0f} input tokens/s)",
-        flush=True,
-    )
-    args._summary = summary
-    return 0
+
+REPORT = (
+    "bert: {documents} documents, {sentences} sentences, {tokens} input tokens -> {instances} instances"
+    " in {shards} shard(s) under {out} in {seconds:.1f}s ({instances_per_s:.0f} instances/s,"
+    " {tokens_per_s:.0f} input tokens/s)"
+)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``python -m data bert``: the flags are :func:`build_bert_shards`'s parameters."""
+    return run_from_args(build_bert_shards, REPORT, args)

@@ -16,8 +16,6 @@ import argparse
 import os
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from common.atomic import atomic_path
 from common.errors import UserError
 from common.log import get_logger
 from data import h5format
+from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
 from data.tokenize_text import AUTO_SHARD_BYTES, InputShard, list_text_files, plan_shards, read_lines
 
 log = get_logger("data.gpt")
@@ -137,10 +136,8 @@ def _shard_task(
     tokenizer: str,
     seq_len: int,
     attrs: dict[str, Any],
-    tok_threads: int,
 ) -> dict[str, Any]:
-    if tok_threads:
-        os.environ.setdefault("RAYON_RS_NUM_CPUS", str(tok_threads))
+    """Tokenize, pack and write one output shard; runs in a worker process (or inline for --workers 1)."""
     t0 = time.perf_counter()
     tok, eod, _ = load_tokenizer(tokenizer)
     docs = text_documents(source) if isinstance(source, InputShard) else iter(source)
@@ -241,114 +238,86 @@ def _dataset_shards(spec: str, field: str, shards: int) -> Iterator[tuple[int, l
         yield index, cur, f"{Path(spec).name}:records {first}-{n}"
 
 
-def run(args: argparse.Namespace) -> int:
+def build_gpt_shards(
+    tokenizer: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    text: str | os.PathLike | None = None,
+    dataset: str | None = None,
+    text_field: str = "text",
+    seq_len: int = 2048,
+    workers: int = 1,
+    shards: int = 0,
+    overwrite: bool = False,
+    progress: bool | None = False,
+) -> dict[str, Any]:
+    """Documents -> packed ``gpt-NNNNN.h5`` windows and ``manifest.json`` under ``out``; returns the totals.
+
+    Exactly one source: ``text`` (NVIDIA-layout text dir or file) or ``dataset`` (local json/jsonl/
+    parquet/txt file, directory or glob, documents in ``text_field``). ``shards=0``: one output shard per
+    32 MiB of text. ``progress=None`` shows a bar only on a terminal. Raises ``UserError`` (nothing
+    left behind) on bad settings or input, a corpus shorter than one window, or a non-empty ``out``
+    without ``overwrite``.
+    """
     t0 = time.perf_counter()
-    if args.seq_len < 1:
-        raise UserError(f"--seq-len {args.seq_len}: must be >= 1")
-    if args.workers < 1:
-        raise UserError(f"--workers {args.workers}: must be >= 1")
-    if args.shards < 0:
-        raise UserError(f"--shards {args.shards}: must be >= 0 (0 = automatic)")
-    tok, eod, eod_name = load_tokenizer(args.tokenizer)
+    if (text is None) == (dataset is None):
+        raise UserError("give exactly one source: --text or --dataset")
+    if seq_len < 1:
+        raise UserError(f"--seq-len {seq_len}: must be >= 1")
+    if workers < 1:
+        raise UserError(f"--workers {workers}: must be >= 1")
+    if shards < 0:
+        raise UserError(f"--shards {shards}: must be >= 0 (0 = automatic)")
+    tok, eod, eod_name = load_tokenizer(tokenizer)
     vocab_size = tok.get_vocab_size(with_added_tokens=True)
-    out = Path(args.out)
-    if args.text:
-        plan = plan_shards(list_text_files(args.text), args.shards)
+    out = Path(out)
+    if text is not None:
+        plan = plan_shards(list_text_files(text), shards)
         sources: Iterator[tuple[int, Any, str]] = iter([(sh.index, sh, sh.describe()) for sh in plan])
-        source_name = str(args.text)
+        source_name = str(text)
     else:
+        assert dataset is not None
         # fail before writing anything on a missing path, an unreadable file or a missing field
-        if next(dataset_documents(args.dataset, args.text_field), None) is None:
-            raise UserError(f"{args.dataset}: empty corpus (no records with field {args.text_field!r})")
-        sources = _dataset_shards(args.dataset, args.text_field, args.shards)
-        source_name = str(args.dataset)
-    h5format.prepare_out_dir(out, args.overwrite)
+        if next(dataset_documents(dataset, text_field), None) is None:
+            raise UserError(f"{dataset}: empty corpus (no records with field {text_field!r})")
+        sources = _dataset_shards(dataset, text_field, shards)
+        source_name = str(dataset)
     settings = {
-        "seq_len": args.seq_len,
-        "tokenizer_sha256": h5format.sha256_file(args.tokenizer),
-        "tokenizer_file": Path(args.tokenizer).name,
+        "seq_len": seq_len,
+        "tokenizer_sha256": h5format.sha256_file(tokenizer),
+        "tokenizer_file": Path(tokenizer).name,
         "vocab_size": vocab_size,
         "eod_id": eod,
         "eod_token": eod_name,
         "source": source_name,
     }
     attrs = {"format": h5format.GPT_FORMAT, "format_version": h5format.FORMAT_VERSION, **settings}
-    tok_threads = max(1, (os.cpu_count() or 1) // args.workers) if args.workers > 1 else 0
-    from tqdm import tqdm
-
-    bar = tqdm(
-        unit="shard", desc="gpt windows", disable=True if args.no_progress else None
-    )  # None: only on a terminal
-    results: list[dict[str, Any]] = []
-    written: list[Path] = []
-    ok = False
-    try:
-        if args.workers <= 1:
-            for index, src, desc in sources:
-                f = out / f"gpt-{index:05d}.h5"
-                written.append(f)
-                results.append(_shard_task(index, src, desc, str(f), args.tokenizer, args.seq_len, attrs, 0))
-                bar.update(1)
-        else:
-            with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as ex:
-                pending: list[Future] = []
-                for index, src, desc in sources:
-                    f = out / f"gpt-{index:05d}.h5"
-                    written.append(f)
-                    pending.append(
-                        ex.submit(
-                            _shard_task,
-                            index,
-                            src,
-                            desc,
-                            str(f),
-                            args.tokenizer,
-                            args.seq_len,
-                            attrs,
-                            tok_threads,
-                        )
-                    )
-                    while (
-                        len([p for p in pending if not p.done()]) > args.workers
-                    ):  # bound memory of queued docs
-                        time.sleep(0.05)
-                for fut in pending:
-                    results.append(fut.result())
-                    bar.update(1)
-        ok = True
-    finally:
-        bar.close()
-        if not ok:
-            for f in written:
-                f.unlink(missing_ok=True)
-    results.sort(key=lambda r: r["index"])
-    total_tokens = sum(r["tokens"] for r in results)
-    total_samples = sum(r["samples"] for r in results)
-    if sum(r["documents"] for r in results) == 0 or total_samples == 0:
-        for f in written:
-            f.unlink(missing_ok=True)
-        if total_tokens == 0:
-            raise UserError(f"{source_name}: empty corpus (no tokens)")
-        raise UserError(
-            f"{source_name}: only {total_tokens} tokens, fewer than one window of --seq-len {args.seq_len} + 1"
+    with ShardDir(out, "gpt", overwrite) as dest:
+        jobs = (
+            ShardJob((index, src, desc, str(dest.path(index)), str(tokenizer), seq_len, attrs))
+            for index, src, desc in sources
         )
-    h5format.write_manifest(out, "gpt", results, settings)
-    secs = time.perf_counter() - t0
-    dropped = sum(r["dropped_tokens"] for r in results)
-    summary = {
-        "documents": sum(r["documents"] for r in results),
-        "tokens": total_tokens,
-        "samples": total_samples,
-        "dropped_tokens": dropped,
-        "shards": len(results),
-        "seconds": round(secs, 2),
-        "tokens_per_s": round(total_tokens / secs, 1),
-    }
-    print(
-        f"gpt: {summary['documents']} documents, {total_tokens} tokens -> {total_samples} windows of"
-        f" {args.seq_len}+1 in {len(results)} shard(s) under {out}; dropped {dropped} tail tokens"
-        f" ({100 * dropped / max(1, total_tokens):.2f}%) in {secs:.1f}s ({summary['tokens_per_s']:.0f} tokens/s)",
-        flush=True,
-    )
-    args._summary = summary
-    return 0
+        results = run_shard_jobs(_shard_task, jobs, workers=workers, desc="gpt windows", progress=progress)
+        total_tokens = sum(r["tokens"] for r in results)
+        if sum(r["documents"] for r in results) == 0 or sum(r["samples"] for r in results) == 0:
+            if total_tokens == 0:
+                raise UserError(f"{source_name}: empty corpus (no tokens)")
+            raise UserError(
+                f"{source_name}: only {total_tokens} tokens, fewer than one window of --seq-len {seq_len} + 1"
+            )
+        summary = dest.commit(results, settings, t0, rates=("tokens",))
+    summary["seq_len"] = seq_len
+    summary["dropped_percent"] = 100 * summary["dropped_tokens"] / max(1, total_tokens)
+    return summary
+
+
+REPORT = (
+    "gpt: {documents} documents, {tokens} tokens -> {samples} windows of {seq_len}+1 in {shards} shard(s)"
+    " under {out}; dropped {dropped_tokens} tail tokens ({dropped_percent:.2f}%) in {seconds:.1f}s"
+    " ({tokens_per_s:.0f} tokens/s)"
+)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``python -m data gpt``: the flags are :func:`build_gpt_shards`'s parameters."""
+    return run_from_args(build_gpt_shards, REPORT, args)

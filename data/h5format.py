@@ -13,11 +13,10 @@ import glob
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import h5py
 import numpy as np
@@ -34,18 +33,35 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_GLOB = "*.h5"
 
-# name -> (rank, dtype written, dtypes accepted on read). NVIDIA writes int32/int8; older
-# TF-converted shards use int64; all are read and widened to torch.long by the loader.
+
+class Field(NamedTuple):
+    """One dataset of a shard: how it is written, what a reader accepts, and what the loader calls it."""
+
+    rank: int
+    dtype: str  # written by our shard writers
+    accepted: tuple[str, ...]  # dtypes read: NVIDIA writes int32/int8, TF-converted shards int64
+    width: str = ""  # the setting giving a row's width: "seq_len", "max_pred", "seq_len+1"; "" for one value
+    batch_key: str = ""  # key in the loader's micro-batches (transformers' names); "" for the dataset name
+
+    def row_width(self, seq_len: int, max_pred: int = 0) -> int:
+        return {"": 1, "seq_len": seq_len, "max_pred": max_pred, "seq_len+1": seq_len + 1}[self.width]
+
+    def key(self, name: str) -> str:
+        return self.batch_key or name
+
+
 _INTS = ("i1", "i2", "i4", "i8", "u1", "u2", "u4")
-BERT_SCHEMA: dict[str, tuple[int, str, tuple[str, ...]]] = {
-    "input_ids": (2, "i4", _INTS),
-    "input_mask": (2, "i1", _INTS),
-    "segment_ids": (2, "i1", _INTS),
-    "masked_lm_positions": (2, "i4", _INTS),
-    "masked_lm_ids": (2, "i4", _INTS),
-    "next_sentence_labels": (1, "i1", _INTS),
+# NVIDIA's dataset names, in the order its reader lists them
+BERT_SCHEMA: dict[str, Field] = {
+    "input_ids": Field(2, "i4", _INTS, "seq_len"),
+    "input_mask": Field(2, "i1", _INTS, "seq_len", "attention_mask"),
+    "segment_ids": Field(2, "i1", _INTS, "seq_len", "token_type_ids"),
+    "masked_lm_positions": Field(2, "i4", _INTS, "max_pred"),
+    "masked_lm_ids": Field(2, "i4", _INTS, "max_pred"),
+    "next_sentence_labels": Field(1, "i1", _INTS),
 }
-GPT_SCHEMA: dict[str, tuple[int, str, tuple[str, ...]]] = {"input_ids": (2, "i4", ("u2", "i4", "i8", "u4"))}
+# Megatron / GPT-NeoX packing: seq_len + 1 tokens per sample (inputs [:-1], targets [1:])
+GPT_SCHEMA: dict[str, Field] = {"input_ids": Field(2, "i4", ("u2", "i4", "i8", "u4"), "seq_len+1")}
 SCHEMAS = {"bert": BERT_SCHEMA, "gpt": GPT_SCHEMA}
 
 # Compression of the shards we write. The loader reads contiguous blocks of rows; with several data-
@@ -62,26 +78,6 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def prepare_out_dir(out: Path, overwrite: bool) -> None:
-    """Refuse a non-empty output dir unless ``overwrite``; with it, remove what a previous run left.
-
-    Leftover temporary files of an interrupted run (``.name.*.tmp``) are always removed.
-    """
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: output path exists and is not a directory")
-    if out.is_dir():
-        entries = [p for p in out.iterdir() if not (p.name.startswith(".") and p.name.endswith(".tmp"))]
-        for p in out.iterdir():
-            if p.name.startswith(".") and p.name.endswith(".tmp"):
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-        if entries:
-            if not overwrite:
-                raise UserError(f"{out}: output directory is not empty (pass --overwrite to replace it)")
-            for p in entries:
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
 
 
 def write_attrs(f: h5py.File, attrs: Mapping[str, Any]) -> None:
@@ -130,7 +126,7 @@ def inspect_shard(path: Path, kind: str) -> ShardInfo:
     with f:
         rows = None
         shapes = {}
-        for name, (rank, _, accepted) in SCHEMAS[kind].items():
+        for name, (rank, _, accepted, _, _) in SCHEMAS[kind].items():
             if name not in f:
                 raise UserError(f"{path}: missing dataset {name!r} (not a {kind} pre-training shard)")
             ds = f[name]
@@ -157,12 +153,14 @@ def inspect_shard(path: Path, kind: str) -> ShardInfo:
     # Shapes are the truth for the lengths; a disagreeing attribute means a damaged or hand-edited file.
     if kind == "bert":
         inferred = {"seq_len": shapes["input_ids"][1], "max_pred": shapes["masked_lm_positions"][1]}
-        if shapes["segment_ids"][1] != inferred["seq_len"] or shapes["input_mask"][1] != inferred["seq_len"]:
-            raise UserError(f"{path}: input_ids, input_mask and segment_ids have different widths")
-        if shapes["masked_lm_ids"][1] != inferred["max_pred"]:
-            raise UserError(f"{path}: masked_lm_positions and masked_lm_ids have different widths")
     else:
         inferred = {"seq_len": shapes["input_ids"][1] - 1}
+    for name, fld in SCHEMAS[kind].items():
+        want = fld.row_width(inferred["seq_len"], inferred.get("max_pred", 0))
+        if fld.rank == 2 and shapes[name][1] != want:
+            raise UserError(
+                f"{path}: dataset {name!r} is {shapes[name][1]} wide, expected {fld.width}={want}"
+            )
     for k, v in inferred.items():
         if k in attrs and int(attrs[k]) != v:
             raise UserError(f"{path}: attribute {k}={attrs[k]} but the datasets' shape implies {v}")
@@ -226,8 +224,12 @@ def check_consistent(infos: Iterable[ShardInfo], keys: Iterable[str]) -> dict[st
     return common
 
 
-def write_manifest(out: Path, kind: str, shards: list[dict[str, Any]], settings: Mapping[str, Any]) -> None:
-    """``manifest.json``: the shard list with sample counts, the settings and totals (written atomically)."""
+def write_manifest(
+    out: Path, kind: str, shards: list[dict[str, Any]], settings: Mapping[str, Any]
+) -> dict[str, int]:
+    """``manifest.json``: the shard list with sample counts, the settings and totals (written atomically).
+
+    Returns the totals: every integer field of the shard records summed."""
     totals: dict[str, int] = {}
     for s in shards:
         for k, v in s.items():
@@ -243,3 +245,4 @@ def write_manifest(out: Path, kind: str, shards: list[dict[str, Any]], settings:
             "totals": totals,
         },
     )
+    return totals

@@ -20,17 +20,44 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.errors import UserError
 from data.tokenize_text import TokenizedShard
+
+MIN_SEQ_LEN = 8
 
 
 @dataclass(frozen=True)
 class BertSettings:
-    seq_len: int
-    max_pred: int
-    masked_lm_prob: float
-    dupe_factor: int
-    short_seq_prob: float
-    whole_word_masking: bool
+    """What defines the instances (defaults: NVIDIA's phase 1). Checked on creation: settings that
+    cannot produce valid instances are refused before anything is written.
+
+    seq_len >= 8 and seq_len >= max_pred + 3: [CLS] A [SEP] B [SEP] needs 3 specials and at least one
+    token on each side, and every prediction needs a non-special position.
+    """
+
+    seq_len: int = 128
+    max_pred: int = 20
+    masked_lm_prob: float = 0.15
+    dupe_factor: int = 5
+    short_seq_prob: float = 0.1
+    whole_word_masking: bool = False
+
+    def __post_init__(self) -> None:
+        if self.seq_len < MIN_SEQ_LEN:
+            raise UserError(f"--seq-len {self.seq_len}: must be >= {MIN_SEQ_LEN}")
+        if self.max_pred < 1:
+            raise UserError(f"--max-pred {self.max_pred}: must be >= 1")
+        if self.seq_len < self.max_pred + 3:
+            raise UserError(
+                f"--seq-len {self.seq_len} too small for --max-pred {self.max_pred}:"
+                " need seq_len >= max_pred + 3"
+            )
+        if not 0.0 < self.masked_lm_prob < 1.0:
+            raise UserError(f"--masked-lm-prob {self.masked_lm_prob}: must be in (0, 1)")
+        if not 0.0 <= self.short_seq_prob <= 1.0:
+            raise UserError(f"--short-seq-prob {self.short_seq_prob}: must be in [0, 1]")
+        if self.dupe_factor < 1:
+            raise UserError(f"--dupe-factor {self.dupe_factor}: must be >= 1")
 
 
 @dataclass(frozen=True)

@@ -390,3 +390,35 @@ def test_rerun_after_interruption(wiki_text_dir: Path, wiki_vocab: Path, tmp_pat
     )
     with h5py.File(out / "bert-00003.h5") as f:
         assert f.attrs["format"] == "wikipretrain-bert"
+
+
+def test_typed_api_and_overwrite_keeps_output_until_success(
+    wiki_text_dir: Path, wiki_vocab: Path, tmp_path: Path
+) -> None:
+    """``build_bert_shards`` in-process: the summary is the manifest's totals; a failed ``overwrite`` run
+    leaves the previous output byte for byte; a successful one with fewer shards removes the stale shard
+    only."""
+    from common.errors import UserError
+    from data.bert import build_bert_shards
+
+    out = tmp_path / "out"
+    settings = {"seq_len": 64, "max_pred": 10, "dupe_factor": 1, "seed": 5}
+    with pytest.raises(UserError, match="--seq-len 12 too small for --max-pred 10"):
+        build_bert_shards(wiki_text_dir, wiki_vocab, out, **{**settings, "seq_len": 12})
+    assert not out.exists()
+    summary = build_bert_shards(wiki_text_dir, wiki_vocab, out, shards=2, **settings)
+    man = json.loads((out / "manifest.json").read_text())
+    assert summary["shards"] == 2 and summary["out"] == str(out)
+    for k in ("instances", "documents", "sentences", "tokens"):
+        assert summary[k] == man["totals"][k] > 0, k
+    assert summary["instances"] == len(load_all(out)["input_ids"])
+    (out / "README").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n\n\n", encoding="utf-8")
+    with pytest.raises(UserError, match="empty corpus"):
+        build_bert_shards(blank, wiki_vocab, out, overwrite=True, **settings)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before, "a failed rerun changed the output"
+    again = build_bert_shards(wiki_text_dir, wiki_vocab, out, shards=1, overwrite=True, **settings)
+    assert sorted(p.name for p in out.iterdir()) == ["README", "bert-00000.h5", "manifest.json"]
+    assert again["instances"] == json.loads((out / "manifest.json").read_text())["totals"]["instances"]

@@ -195,3 +195,35 @@ def test_bad_input(wiki_text_dir: Path, bpe: Path, wiki_vocab: Path, tmp_path: P
     expect_error(data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bpe), "--out", str(busy), check=False),
                  "--overwrite")  # fmt: skip
     assert (busy / "x").read_text() == "keep"
+
+
+def test_typed_api_summary_and_eval_set(wiki_text_dir: Path, bpe: Path, tmp_path: Path) -> None:
+    """``build_gpt_shards`` in-process: its summary is the manifest's totals; an EvalSet over the windows."""
+    from common.errors import UserError
+    from data.gpt import build_gpt_shards
+    from data.loader import EvalSet
+
+    out = tmp_path / "gpt"
+    summary = build_gpt_shards(bpe, out, text=wiki_text_dir, seq_len=64, shards=2)
+    man = json.loads((out / "manifest.json").read_text())
+    assert summary["out"] == str(out) and summary["shards"] == len(man["shards"]) == 2
+    for k in ("samples", "tokens", "documents", "dropped_tokens"):
+        assert summary[k] == man["totals"][k], k
+    rows = 0
+    for f in sorted(out.glob("*.h5")):
+        with h5py.File(f) as h:
+            rows += len(h["input_ids"])
+            if f.name == man["shards"][0]["file"]:
+                first = h["input_ids"][:10].astype(np.int64)
+    assert summary["samples"] == rows > 10
+    # 10 samples over 2 ranks: 5 each, in 2 micro-batches of at most 4 rows (3 then 2)
+    got = [list(EvalSet(out, "gpt", 10, micro_batch=4, dp_rank=r, dp_world=2)) for r in (0, 1)]
+    assert [[tuple(b["input_ids"].shape) for b in g] for g in got] == [[(3, 65), (2, 65)]] * 2
+    union = np.concatenate([b["input_ids"].numpy() for g in got for b in g])
+    assert np.array_equal(union, first)
+    with pytest.raises(UserError, match="exactly one source"):
+        build_gpt_shards(bpe, tmp_path / "none")
+    with pytest.raises(UserError, match="not empty"):
+        build_gpt_shards(bpe, out, text=wiki_text_dir, seq_len=64)
+    assert json.loads((out / "manifest.json").read_text()) == man, "a refused run changed the output"
+    assert not (tmp_path / "none").exists()
