@@ -16,6 +16,12 @@ per block).
 Iteration. ``iter(loader)`` yields micro-batches forever, epoch after epoch, starting at the current
 position; ``state_dict()`` is the position after the last micro-batch handed out, so batches that
 prefetching workers produced but the trainer never received do not count.
+
+Evaluation. ``EvalSet`` is a fixed held-out set (the first n samples of the eval shards, split over
+the ranks), the same at every evaluation and for every world size.
+
+Fields. The datasets, their order in a packed row, their widths and their keys in a micro-batch all
+come from ``data.h5format``'s schema.
 """
 
 from __future__ import annotations
@@ -46,10 +52,48 @@ _CONSISTENT_KEYS = {
 _warned_missing_attrs = False
 
 
+def _open_shards(
+    path: str | Path, kind: str, expect: dict | None
+) -> tuple[list[Path], list[int], dict[str, Any]]:
+    """Resolve and check the shards: (files, samples per file, the attributes they share)."""
+    global _warned_missing_attrs
+    if kind not in h5format.SCHEMAS:
+        raise UserError(f"loader kind {kind!r}: expected 'bert' or 'gpt'")
+    files = h5format.resolve_shards(path)
+    infos = [h5format.inspect_shard(f, kind) for f in files]
+    for info in infos:
+        h5format.check_expect(info.attrs, expect, str(info.path))
+    missing = [i.path.name for i in infos if not i.has_attrs]
+    if missing and not _warned_missing_attrs:
+        _warned_missing_attrs = True
+        log.warning(
+            "%d shard(s) (e.g. %s) carry no attributes (NVIDIA-made?): seq_len/max_pred inferred from "
+            "shapes, vocabulary unknown and not checked",
+            len(missing),
+            missing[0],
+        )
+    attrs = h5format.check_consistent(infos, _CONSISTENT_KEYS[kind])
+    return files, [i.num_samples for i in infos], attrs
+
+
+def _check_ranks(dp_rank: int, dp_world: int, **positive: int) -> None:
+    for name, v in {**positive, "dp_world": dp_world}.items():
+        if v < 1:
+            raise UserError(f"loader {name}={v}: must be >= 1")
+    if not 0 <= dp_rank < dp_world:
+        raise UserError(f"loader dp_rank={dp_rank} outside [0, dp_world={dp_world})")
+
+
+def _widths(kind: str, attrs: dict[str, Any]) -> list[int]:
+    """Row width of each dataset, in schema order (the packing order of a micro-batch row)."""
+    seq, pred = int(attrs["seq_len"]), int(attrs.get("max_pred", 0))
+    return [f.row_width(seq, pred) for f in h5format.SCHEMAS[kind].values()]
+
+
 def _auto_block_size(kind: str, attrs: dict[str, Any]) -> int:
     """About 1 MiB of rows per block (a power of two between 16 and 1024)."""
-    seq = int(attrs["seq_len"])
-    row_bytes = 4 * (seq + 1) if kind == "gpt" else 6 * seq + 8 * int(attrs.get("max_pred", 20)) + 1
+    fields = h5format.SCHEMAS[kind].values()
+    row_bytes = sum(w * np.dtype(f.dtype).itemsize for w, f in zip(_widths(kind, attrs), fields))
     b = 1024
     while b > 16 and b * row_bytes > TARGET_BLOCK_BYTES:
         b //= 2
@@ -119,19 +163,7 @@ class _Reader:
 
     def __init__(self, files: list[Path], kind: str, index: _Index) -> None:
         self.files, self.kind, self.index = files, kind, index
-        # packing order of the fields in a micro-batch row (see _unpack)
-        self.names = (
-            [
-                "input_ids",
-                "segment_ids",
-                "input_mask",
-                "masked_lm_positions",
-                "masked_lm_ids",
-                "next_sentence_labels",
-            ]
-            if kind == "bert"
-            else ["input_ids"]
-        )
+        self.names = list(h5format.SCHEMAS[kind])  # packing order of a micro-batch row (see _unpack)
         self.windows: OrderedDict[tuple[int, int], dict[str, np.ndarray]] = OrderedDict()
         self.handles: OrderedDict[int, h5py.File] = OrderedDict()
         self.peak_buffered = 0
@@ -173,11 +205,10 @@ class _Reader:
         for wi in np.unique(w):
             buf = self._window(epoch, int(wi))
             sel = w == wi
-            r = rows[sel]
-            parts = [buf[n][r].reshape(len(r), -1) for n in self.names]
+            part = _pack([buf[n][rows[sel]] for n in self.names])
             if out is None:
-                out = np.empty((len(positions), sum(p.shape[1] for p in parts)), dtype=np.int32)
-            out[sel] = np.concatenate(parts, axis=1)
+                out = np.empty((len(positions), part.shape[1]), dtype=np.int32)
+            out[sel] = part
         assert out is not None
         return out
 
@@ -188,24 +219,24 @@ class _Reader:
         self.windows.clear()
 
 
-def _unpack(kind: str, packed: torch.Tensor, seq_len: int, max_pred: int) -> dict[str, torch.Tensor]:
-    """Packed int32 rows -> the micro-batch dict (long tensors, float weights)."""
-    x = packed.long()
-    if kind == "gpt":
-        return {"input_ids": x}
-    S, P = seq_len, max_pred
-    ids, seg, mask, pos, lm_ids, nsl = torch.split(x, [S, S, S, P, P, 1], dim=1)
-    # NVIDIA's reader: predictions run up to the first zero position (position 0 is always [CLS])
-    weights = torch.cumprod((pos != 0).to(torch.float32), dim=1)
-    return {
-        "input_ids": ids.contiguous(),
-        "token_type_ids": seg.contiguous(),
-        "attention_mask": mask.contiguous(),
-        "masked_lm_positions": pos.contiguous(),
-        "masked_lm_ids": lm_ids.contiguous(),
-        "masked_lm_weights": weights,
-        "next_sentence_labels": nsl.reshape(-1).contiguous(),
+def _pack(fields: list[np.ndarray]) -> np.ndarray:
+    """The datasets' rows (schema order) side by side as one int32 array: one transfer, one copy."""
+    return np.concatenate([a.reshape(len(a), -1) for a in fields], axis=1).astype(np.int32, copy=False)
+
+
+def _unpack(kind: str, packed: torch.Tensor, widths: list[int]) -> dict[str, torch.Tensor]:
+    """Packed int32 rows -> the micro-batch dict: long tensors under the schema's batch keys
+    (BERT adds float ``masked_lm_weights``)."""
+    schema = h5format.SCHEMAS[kind]
+    parts = torch.split(packed.long(), widths, dim=1)
+    batch = {
+        fld.key(name): (part.reshape(-1) if fld.rank == 1 else part).contiguous()
+        for (name, fld), part in zip(schema.items(), parts)
     }
+    if "masked_lm_positions" in batch:
+        # NVIDIA's reader: predictions run up to the first zero position (position 0 is always [CLS])
+        batch["masked_lm_weights"] = torch.cumprod((batch["masked_lm_positions"] != 0).float(), dim=1)
+    return batch
 
 
 class _Schedule:
@@ -308,35 +339,12 @@ class PretrainingLoader:
         window_blocks: int = 16,
         prefetch_factor: int = 4,
     ) -> None:
-        global _warned_missing_attrs
-        if kind not in h5format.SCHEMAS:
-            raise UserError(f"loader kind {kind!r}: expected 'bert' or 'gpt'")
-        for name, v in (
-            ("micro_batch", micro_batch),
-            ("grad_accum", grad_accum),
-            ("dp_world", dp_world),
-            ("window_blocks", window_blocks),
-        ):
-            if v < 1:
-                raise UserError(f"loader {name}={v}: must be >= 1")
-        if not 0 <= dp_rank < dp_world:
-            raise UserError(f"loader dp_rank={dp_rank} outside [0, dp_world={dp_world})")
+        _check_ranks(
+            dp_rank, dp_world, micro_batch=micro_batch, grad_accum=grad_accum, window_blocks=window_blocks
+        )
         self.kind = kind
-        self.files = h5format.resolve_shards(path)
-        infos = [h5format.inspect_shard(f, kind) for f in self.files]
-        for info in infos:
-            h5format.check_expect(info.attrs, expect, str(info.path))
-        missing = [i.path.name for i in infos if not i.has_attrs]
-        if missing and not _warned_missing_attrs:
-            _warned_missing_attrs = True
-            log.warning(
-                "%d shard(s) (e.g. %s) carry no attributes (NVIDIA-made?): seq_len/max_pred inferred from shapes, "
-                "vocabulary unknown and not checked",
-                len(missing),
-                missing[0],
-            )
-        self._attrs = h5format.check_consistent(infos, _CONSISTENT_KEYS[kind])
-        self.counts = [i.num_samples for i in infos]
+        self.files, self.counts, self._attrs = _open_shards(path, kind, expect)
+        self._widths = _widths(kind, self._attrs)
         self.micro_batch, self.grad_accum, self.dp_rank, self.dp_world = (
             micro_batch,
             grad_accum,
@@ -420,7 +428,7 @@ class PretrainingLoader:
                     yield batch
 
     def _unpack(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
-        return _unpack(self.kind, packed, int(self._attrs["seq_len"]), int(self._attrs.get("max_pred", 0)))
+        return _unpack(self.kind, packed, self._widths)
 
     def _consumed(self) -> None:
         e, p, m = self.schedule.advance(self.epoch, self.pos, self.micro)
@@ -518,6 +526,88 @@ class PretrainingLoader:
             self._reader = None
 
 
+class EvalSet:
+    """A fixed held-out evaluation set: this rank's share of the first ``n`` samples of the shards.
+
+    The n samples are the first in storage order (shards in manifest or name order, rows in file
+    order), so they are the same at every evaluation and for every world size, and evaluating never
+    moves the training loader. Rank r of W holds the contiguous samples ``[r*n//W, (r+1)*n//W)``
+    (the shares differ by at most one sample) and yields them, once per ``iter()``, as ``len(self)``
+    micro-batches of at most ``micro_batch`` rows, dicts like :class:`PretrainingLoader` yields.
+
+    Every rank yields the same number of micro-batches (ZeRO-3 needs every rank in every forward),
+    but micro-batches may hold fewer rows than ``micro_batch`` and differ by one row between ranks.
+    So weight by samples, not by batches: sum ``loss * rows`` (or the model's token / prediction
+    counts) over the micro-batches, all-reduce the sums and the counts, and divide; the result is the
+    mean over exactly the n samples, whatever the world size. Refused (``UserError``) when the shards
+    hold fewer than n samples, or when the ranks cannot get equal batch counts (n < dp_world, or
+    micro_batch 1 with n not a multiple of dp_world).
+
+    The rank's share is read on the first iteration and kept (packed int32 rows) for the next ones.
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        kind: str,
+        n: int,
+        *,
+        micro_batch: int,
+        dp_rank: int,
+        dp_world: int,
+        expect: dict | None = None,
+    ) -> None:
+        _check_ranks(dp_rank, dp_world, micro_batch=micro_batch, n=n)
+        self.kind = kind
+        self.files, self.counts, self._attrs = _open_shards(path, kind, expect)
+        self._widths = _widths(kind, self._attrs)
+        if n > sum(self.counts):
+            raise UserError(
+                f"{path}: {sum(self.counts)} samples, fewer than the {n} evaluation samples asked for"
+            )
+        self.n, self.micro_batch, self.dp_rank, self.dp_world = n, micro_batch, dp_rank, dp_world
+        self.start, self.stop = dp_rank * n // dp_world, (dp_rank + 1) * n // dp_world
+        largest = -(-n // dp_world)
+        self.num_batches = -(-largest // micro_batch)
+        if n // dp_world < self.num_batches:  # the smallest share cannot fill as many micro-batches
+            raise UserError(
+                f"{path}: {n} evaluation samples over dp_world={dp_world} in micro-batches of {micro_batch}:"
+                f" the ranks would run different numbers of forward passes; use a multiple of {dp_world}"
+            )
+        self._packed: np.ndarray | None = None
+
+    @property
+    def num_samples(self) -> int:
+        """Samples of this rank's share."""
+        return self.stop - self.start
+
+    @property
+    def attrs(self) -> dict:
+        return dict(self._attrs)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def _read(self) -> np.ndarray:
+        """This rank's share, packed like the training loader's micro-batches."""
+        names = list(h5format.SCHEMAS[self.kind])
+        pieces: list[np.ndarray] = []
+        first = 0  # global index of the current shard's first sample
+        for file, count in zip(self.files, self.counts):
+            a, z = max(self.start, first) - first, min(self.stop, first + count) - first
+            if a < z:
+                with h5py.File(file, "r") as f:
+                    pieces.append(_pack([f[name][a:z] for name in names]))
+            first += count
+        return np.concatenate(pieces)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        if self._packed is None:
+            self._packed = self._read()
+        for rows in np.array_split(np.arange(self.num_samples), self.num_batches):
+            yield _unpack(self.kind, torch.from_numpy(self._packed[rows[0] : rows[-1] + 1]), self._widths)
+
+
 def make_loader(path: str | Path, kind: str, **kwargs: Any) -> PretrainingLoader:
     """Convenience: ``kind`` may also be inferred from the shards' ``format`` attribute (``kind="auto"``)."""
     if kind == "auto":
@@ -529,4 +619,4 @@ def make_loader(path: str | Path, kind: str, **kwargs: Any) -> PretrainingLoader
     return PretrainingLoader(path, kind, **kwargs)
 
 
-__all__ = ["PretrainingLoader", "make_loader"]
+__all__ = ["EvalSet", "PretrainingLoader", "make_loader"]

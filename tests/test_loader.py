@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from common.errors import UserError
 from data.h5format import BERT_SCHEMA
-from data.loader import PretrainingLoader
+from data.loader import EvalSet, PretrainingLoader
 from tests.conftest import REPO, run_env
 
 NAMES = list(BERT_SCHEMA)  # the datasets of a BERT shard, NVIDIA's names and order
@@ -300,6 +300,13 @@ def test_schema_and_expect_errors(shards: Path, tmp_path: Path) -> None:
             )[0],
             "rows",
         ),
+        "width": (
+            lambda d: (
+                d.__delitem__("masked_lm_ids"),
+                d.create_dataset("masked_lm_ids", data=np.zeros((len(d["input_mask"]), 19), "i4")),
+            )[0],
+            "'masked_lm_ids' is 19 wide, expected max_pred=20",
+        ),
     }
     for name, (edit, needle) in cases.items():
         p = variant(name, edit)
@@ -317,3 +324,37 @@ def test_schema_and_expect_errors(shards: Path, tmp_path: Path) -> None:
         loader(shards, world=2, rank=1, mb=4, ga=1).load_state_dict(mid)
     with pytest.raises(UserError, match="seed=11 but this loader has 12"):
         loader(shards, seed=12).load_state_dict(mid)
+
+
+def test_eval_set_fixed_and_split_over_any_world(shards: Path, all_keys: list[str]) -> None:
+    """The first n samples in storage order, the same on every pass; for world sizes 1, 2 and 3 the ranks'
+    shares are disjoint, their union in rank order is exactly those n samples, and every rank runs the
+    same number of micro-batches of at most micro_batch rows."""
+    first_shard = json.loads((shards / "manifest.json").read_text())["shards"][0]["instances"]
+    n = first_shard + 7  # not a multiple of 2 or 3, and crosses into the second shard
+    for world in (1, 2, 3):
+        shares, lengths = [], set()
+        for rank in range(world):
+            ev = EvalSet(shards, "bert", n, micro_batch=8, dp_rank=rank, dp_world=world)
+            batches = list(ev)
+            assert [batch_keys(b) for b in batches] == [batch_keys(b) for b in ev], "a second pass differs"
+            assert all(0 < len(b["input_ids"]) <= 8 for b in batches)
+            assert len(batches) == len(ev) and sum(len(b["input_ids"]) for b in batches) == ev.num_samples
+            lengths.add(len(batches))
+            shares.append([k for b in batches for k in batch_keys(b)])
+        assert len(lengths) == 1, f"world {world}: ranks run different numbers of micro-batches {lengths}"
+        union = [k for share in shares for k in share]
+        assert union == all_keys[:n] and len(set(union)) == n, f"world {world}"
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    b = next(iter(EvalSet(shards, "bert", 5, micro_batch=8, dp_rank=0, dp_world=1)))
+    assert set(b) == {"input_ids", "token_type_ids", "attention_mask", "masked_lm_positions", "masked_lm_ids",
+                      "masked_lm_weights", "next_sentence_labels"}  # fmt: skip
+    assert b["input_ids"].shape == (5, 128)
+    total = len(all_keys)
+    with pytest.raises(UserError, match=rf"{total} samples, fewer than the {total + 1} evaluation"):
+        EvalSet(shards, "bert", len(all_keys) + 1, micro_batch=8, dp_rank=0, dp_world=1)
+    with pytest.raises(UserError, match="different numbers of forward passes; use a multiple of 3"):
+        EvalSet(shards, "bert", 2, micro_batch=8, dp_rank=0, dp_world=3)
+    with pytest.raises(UserError, match="different numbers of forward passes; use a multiple of 2"):
+        EvalSet(shards, "bert", 7, micro_batch=1, dp_rank=1, dp_world=2)
+    assert len(EvalSet(shards, "bert", 8, micro_batch=1, dp_rank=1, dp_world=2)) == 4
