@@ -36,13 +36,12 @@ from typing import Any
 from common.atomic import atomic_path, atomic_write_json
 from common.errors import UserError
 from common.log import get_logger
+from common.outdir import prepare_out_dir, remove_stale
 from data.textclean import CLEANER_VERSION, clean_wikitext, is_disambiguation, split_sentences
 
 FORMAT = "wikipretrain-text"
 FORMAT_VERSION = 1
 SHARD_PATTERN = re.compile(r"^wiki_\d{5,}\.txt$")
-# Temporary names made by common.atomic for our files: ".wiki_00000.txt.<random>.tmp", ".manifest.json.<random>.tmp"
-TEMP_PATTERN = re.compile(r"^\.(?:wiki_\d{5,}\.txt|manifest\.json)\..*\.tmp$")
 MANIFEST = "manifest.json"
 
 # A chunk sent to a worker: about this much wikitext, or this many pages, whichever comes first.
@@ -294,29 +293,6 @@ class _ShardWriter:
         }
 
 
-def _prepare_out_dir(out_dir: Path, overwrite: bool) -> bool:
-    """Refuse a non-empty directory unless ``overwrite``; remove temp files of an interrupted run.
-
-    Returns True when the directory was created here (so a failed run can remove it again).
-    """
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"{out_dir}: exists and is not a directory")
-    if not out_dir.exists():
-        out_dir.mkdir(parents=True)
-        return True
-    others = []
-    for entry in out_dir.iterdir():
-        if TEMP_PATTERN.match(entry.name) and entry.is_file():
-            entry.unlink()  # left by an interrupted run
-        else:
-            others.append(entry.name)
-    if others and not overwrite:
-        raise UserError(
-            f"{out_dir}: output directory is not empty ({len(others)} entries); pass --overwrite to replace its shards"
-        )
-    return False
-
-
 # --------------------------------------------------------------------------------------------------
 # The pipeline
 # --------------------------------------------------------------------------------------------------
@@ -350,7 +326,7 @@ def extract_dump(
     paths = [Path(d) for d in dumps]
     sizes = [_check_bz2(p) for p in paths]
     out_dir = Path(out_dir)
-    created = _prepare_out_dir(out_dir, overwrite)
+    created = prepare_out_dir(out_dir, overwrite)
 
     counts = dict.fromkeys(
         ("pages", "articles", "redirects", "other_namespace", "disambiguation", "empty", "articles_written"),
@@ -430,10 +406,7 @@ def extract_dump(
             shard_records = [w.record() for w in writers]
             (out_dir / MANIFEST).unlink(missing_ok=True)  # invalid from here until the new one is written
         # all shards renamed into place; drop stale ones from an earlier run with more shards
-        new_names = {r["file"] for r in shard_records}
-        for entry in out_dir.iterdir():
-            if SHARD_PATTERN.match(entry.name) and entry.name not in new_names:
-                entry.unlink()
+        remove_stale(out_dir, [r["file"] for r in shard_records], SHARD_PATTERN.match)
     except BaseException:
         if pool is not None:
             pool.terminate()

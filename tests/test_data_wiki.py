@@ -455,7 +455,7 @@ def test_output_path_that_is_a_file(tmp_path: Path) -> None:
     res = cli(str(good), "--out", str(tmp_path / "afile"))
     assert (
         res.returncode == 2
-        and res.stderr.strip() == f"error: {tmp_path / 'afile'}: exists and is not a directory"
+        and res.stderr.strip() == f"error: {tmp_path / 'afile'}: output path exists and is not a directory"
     )
 
 
