@@ -1,16 +1,22 @@
 """Scaling report: the table published BERT results use, from the ``summary.json`` of each run.
 
-Runs are grouped by ``fingerprint`` (``training.metrics.config_fingerprint``: the resolved configuration minus the
-keys that change with scale; threads per rank stays in, so CPU runs with different thread counts never compare).
-In each group the *baseline* is the run with the fewest accelerators (ties: the first by path); every other run's
-scaling efficiency is ``training.metrics.scaling_efficiency`` of its per-accelerator sequences/s against the
-baseline's. A group with one size has no baseline and says so; no 100% is invented.
+A run writes only its own summary; everything that compares runs is computed here, when the report reads
+them. Runs are grouped by ``fingerprint`` (``training.metrics.config_fingerprint``: the resolved configuration
+minus the keys that change with scale; threads per rank stays in, so CPU runs with different thread counts
+never compare). In each group the *baseline* is the run with the fewest accelerators (ties: the first by
+path); every other run's scaling efficiency is ``training.metrics.scaling_efficiency`` of its per-accelerator
+sequences/s against the baseline's. A group with one size has no baseline and says so; no 100% is invented.
+A run's MFU is the one its summary recorded; a device without a known peak recorded ``mfu: null``, shown n/a.
 
-Projections (``--recipe``): the samples a recipe trains (sum over its phase YAMLs of ``train.steps`` x
-``train.global_batch``) divided by a run's measured sequences/s give the projected wall time, times its
-accelerators the accelerator-hours, times its nodes and the profile's ``price_per_instance_hour`` the cost.
-The projection applies the run's measured sequences/s to every recipe sample: a phase with another sequence
-length than the run (BERT phase 2 at 512 vs a 128-token run) is flagged, because its real cost per sample is higher.
+Projections (``--recipe``, a comma list of recipe names or YAMLs, one per phase): each phase is read with the
+loader train.py uses (``training.config.load_config``, so ``base:`` and the defaults apply) and costs
+``train.steps x train.global_batch x data.seq_len`` tokens times ``model.flops.training_flops_per_token`` of
+its model at its sequence length. A measured run projects the recipe at its own achieved model FLOP/s per
+accelerator (tokens/s per accelerator x its FLOPs per token, ``training.metrics.tflops_per_device``): wall
+time = recipe FLOPs / (that x its accelerators); times its accelerators the accelerator-hours; times its nodes
+and the profile's ``price_per_instance_hour`` the cost. Where the recipe's model or sequence length differs
+from the run's, the projection assumes the run's MFU carries over, and says so (``*``). ``--device NAME
+--mfu X`` projects the recipe at an assumed MFU of that device's peak (``training.devices.peak_flops``).
 """
 
 from __future__ import annotations
@@ -24,13 +30,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from common.atomic import atomic_path, atomic_write_json, atomic_write_text
 from common.errors import UserError
-from training.metrics import scaling_efficiency
+from common.log import get_logger
+from training.metrics import scaling_efficiency, tflops_per_device
+
+log = get_logger("launch.report")
 
 REQUIRED_KEYS = ("fingerprint", "device_count", "sequences_per_sec", "sequences_per_sec_per_device")
+# Absent when a run was too short to measure (train.py writes its summary all the same).
+MEASURED_KEYS = REQUIRED_KEYS[2:]
 
 
 @dataclass
@@ -54,26 +63,45 @@ class Run:
     def per_device(self) -> float:
         return float(self.summary["sequences_per_sec_per_device"])
 
+    @property
+    def achieved_flops_per_device(self) -> float | None:
+        """Model FLOP/s per accelerator the run reached, or None when its summary lacks the figures."""
+        tokens, fpt = self.summary.get("tokens_per_sec_per_device"), self.summary.get("flops_per_token")
+        if not (_positive_number(tokens) and _positive_number(fpt)):
+            return None
+        return tflops_per_device(float(tokens), float(fpt)) * 1e12
 
-def load_summary(path: Path) -> dict[str, Any]:
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _positive_number(v: Any) -> bool:
+    return _finite(v) and v > 0
+
+
+def load_summary(path: Path) -> dict[str, Any] | None:
+    """The summary, checked; None (with a warning) for a run too short to have measured throughput."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"{path}: cannot read summary ({e})") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: summary is not a JSON object")
+    if "fingerprint" in data and "device_count" in data and not any(k in data for k in MEASURED_KEYS):
+        log.warning(f"{path}: no measured throughput (too few steps after warm-up): left out")
+        return None
     missing = [k for k in REQUIRED_KEYS if k not in data]
     if missing:
         raise UserError(f"{path}: summary lacks {', '.join(missing)}")
     for key in REQUIRED_KEYS[1:]:
-        v = data[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-            raise UserError(f"{path}: {key} must be a positive number (got {v!r})")
+        if not _positive_number(data[key]):
+            raise UserError(f"{path}: {key} must be a positive number (got {data[key]!r})")
     return data
 
 
 def find_runs(roots: list[Path]) -> list[Run]:
-    """Every ``summary.json`` under the given directories (or the files themselves), sorted by path."""
+    """Every measured ``summary.json`` under the given directories (or the files themselves), by path."""
     paths: set[Path] = set()
     for root in roots:
         if root.is_file() and root.name == "summary.json":
@@ -82,7 +110,12 @@ def find_runs(roots: list[Path]) -> list[Run]:
             paths.update(p.resolve() for p in root.rglob("summary.json"))
         else:
             raise UserError(f"{root}: no such run directory")
-    return [Run(p, load_summary(p)) for p in sorted(paths)]
+    runs = []
+    for p in sorted(paths):
+        summary = load_summary(p)
+        if summary is not None:
+            runs.append(Run(p, summary))
+    return runs
 
 
 def group_runs(runs: list[Run]) -> dict[str, list[Run]]:
@@ -107,47 +140,90 @@ def efficiency(run: Run, baseline: Run | None) -> float | None:
     return scaling_efficiency(run.per_device, baseline.per_device)
 
 
-@dataclass(frozen=True)
-class Recipe:
-    """Samples to train, by phase, read from the recipe YAMLs (``train.steps``, ``train.global_batch``)."""
+# ------------------------------------------------------------------------------------------ recipes
 
-    phases: tuple[tuple[str, int, int, int | None], ...]  # (file, steps, global_batch, seq_len or None)
+
+@dataclass(frozen=True)
+class Phase:
+    """One recipe YAML, resolved as train.py resolves it."""
+
+    config: str  # the YAML's path
+    model: str
+    steps: int
+    global_batch: int
+    seq_len: int
+    flops_per_token: float  # model.flops.training_flops_per_token at this phase's seq_len (and max_pred)
 
     @property
     def samples(self) -> int:
-        return sum(steps * gb for _, steps, gb, _ in self.phases)
+        return self.steps * self.global_batch
+
+    @property
+    def tokens(self) -> int:
+        return self.samples * self.seq_len
+
+    @property
+    def flops(self) -> float:
+        return self.tokens * self.flops_per_token
 
 
-def _get(d: dict[str, Any], dotted: str) -> Any:
-    cur: Any = d
-    for k in dotted.split("."):
-        if not isinstance(cur, dict) or k not in cur:
-            return None
-        cur = cur[k]
-    return cur
+@dataclass(frozen=True)
+class Recipe:
+    phases: tuple[Phase, ...]
+
+    @property
+    def samples(self) -> int:
+        return sum(p.samples for p in self.phases)
+
+    @property
+    def tokens(self) -> int:
+        return sum(p.tokens for p in self.phases)
+
+    @property
+    def flops(self) -> float:
+        return sum(p.flops for p in self.phases)
 
 
-def load_recipe(paths: list[str]) -> Recipe:
-    phases = []
-    for p in paths:
-        path = Path(p)
-        try:
-            cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, yaml.YAMLError) as e:
-            raise UserError(f"recipe {path}: cannot read ({str(e).splitlines()[0]})") from None
-        if not isinstance(cfg, dict):
-            raise UserError(f"recipe {path}: expected a mapping")
-        vals = {}
-        for key in ("train.steps", "train.global_batch"):
-            v = _get(cfg, key)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise UserError(f"recipe {path}: {key} must be a positive integer (got {v!r})")
-            vals[key] = v
-        seq = next(
-            (_get(cfg, k) for k in ("data.seq_len", "train.seq_len", "model.seq_len") if _get(cfg, k)), None
-        )
-        phases.append((str(path), vals["train.steps"], vals["train.global_batch"], seq))
-    return Recipe(tuple(phases))
+def load_phase(name_or_path: str) -> Phase:
+    """A recipe name (``neox-20b``) or YAML, through ``training.config.load_config`` (``base:``, defaults)."""
+    from model.flops import training_flops_per_token
+    from model.registry import get_spec
+    from training.config import load_config, resolve_config_path
+
+    path = resolve_config_path(name_or_path)
+    cfg = load_config(str(path))
+    # The vocabulary size is the registry's unless model.vocab_size sets it (train.py reads it from the data).
+    spec = get_spec(cfg.model.name, vocab_size=cfg.model.vocab_size)
+    max_pred = cfg.data.max_pred if spec.family == "bert" else None
+    fpt = training_flops_per_token(spec, cfg.data.seq_len, max_pred)
+    return Phase(str(path), cfg.model.name, cfg.train.steps, cfg.train.global_batch, cfg.data.seq_len, fpt)
+
+
+def load_recipe(names: list[str]) -> Recipe:
+    """The phases of a recipe, in order (``bert-large-phase1,bert-large-phase2``)."""
+    names = [n.strip() for n in names if n.strip()]
+    if not names:
+        raise UserError("--recipe names no recipe")
+    return Recipe(tuple(load_phase(n) for n in names))
+
+
+def device_peak(name: str) -> float:
+    """Peak FLOP/s of one ``name`` device (``training.devices.peak_flops``); a UserError when unknown."""
+    from training.devices import PEAK_FLOPS, normalise_name, peak_flops
+
+    known = [*PEAK_FLOPS, "cpu"]
+    if normalise_name(name) not in {normalise_name(k) for k in known}:  # checked first: one line, no warning
+        raise UserError(f"--device {name!r}: no peak FLOP/s known for it; known devices: {', '.join(known)}")
+    peak = peak_flops(name)
+    if peak is None:
+        raise UserError(f"--device {name!r}: no peak FLOP/s known for it")
+    return peak
+
+
+def recipe_projection(recipe: Recipe, peak: float, mfu: float, accelerators: int) -> dict[str, float]:
+    """Time on ``accelerators`` devices of peak ``peak`` FLOP/s each, at model FLOPs utilisation ``mfu``."""
+    accel_hours = recipe.flops / (peak * mfu) / 3600
+    return {"accelerator_hours": accel_hours, "hours": accel_hours / accelerators}
 
 
 def _fmt_hours(h: float) -> str:
@@ -156,6 +232,13 @@ def _fmt_hours(h: float) -> str:
     if h >= 1:
         return f"{h:,.1f} h"
     return f"{h * 60:,.1f} min"
+
+
+def _fmt_pct(v: Any) -> str:
+    return f"{v * 100:.1f}%" if _finite(v) else "n/a"
+
+
+# ------------------------------------------------------------------------------------------ tables
 
 
 def build_rows(
@@ -182,22 +265,25 @@ def build_rows(
                 "sequences_per_sec": float(s["sequences_per_sec"]),
                 "sequences_per_sec_per_accelerator": r.per_device,
                 "tokens_per_sec_per_accelerator": s.get("tokens_per_sec_per_device"),
+                "mfu": s.get("mfu"),
                 "scaling_efficiency": eff,
                 "baseline_run": str(base.dir) if base is not None else None,
                 "is_baseline": base is not None and r is base,
                 "wall_time_s": wall,
-                "accelerator_hours": r.devices * float(wall) / 3600 if wall is not None else None,
+                "accelerator_hours": r.devices * float(wall) / 3600 if _positive_number(wall) else None,
             }
             if recipe is not None:
-                hours = recipe.samples / row["sequences_per_sec"] / 3600
+                achieved = r.achieved_flops_per_device
+                hours = recipe.flops / (achieved * r.devices) / 3600 if achieved else None
                 row["projected_hours"] = hours
-                row["projected_accelerator_hours"] = hours * r.devices
-                row["projection_seq_len_mismatch"] = any(
-                    seq is not None and s.get("seq_len") is not None and seq != s.get("seq_len")
-                    for _, _, _, seq in recipe.phases
+                row["projected_accelerator_hours"] = hours * r.devices if hours is not None else None
+                row["projection_extrapolated"] = any(
+                    p.model != s.get("model") or p.seq_len != s.get("seq_len") for p in recipe.phases
                 )
                 row["projected_cost"] = (
-                    hours * r.nodes * price_per_instance_hour if price_per_instance_hour else None
+                    hours * r.nodes * price_per_instance_hour
+                    if hours is not None and price_per_instance_hour
+                    else None
                 )
             rows.append(row)
     return rows
@@ -214,8 +300,8 @@ def markdown(rows: list[dict[str, Any]], recipe: Recipe | None = None, price: fl
             f"### {first['model'] or 'run'} (fingerprint {fp}; {first['device_kind']}, "
             f"threads/rank {first['threads_per_rank']}, seq {first['seq_len']})\n\n"
         )
-        cols = ["nodes", "accelerators", "sequences/s", "sequences/s per accelerator", "scaling efficiency"]
-        cols += ["accelerator-hours (run)"]
+        cols = ["nodes", "accelerators", "sequences/s", "sequences/s per accelerator", "MFU"]
+        cols += ["scaling efficiency", "accelerator-hours (run)"]
         if recipe is not None:
             cols += ["projected time", "projected accelerator-hours"]
             if price:
@@ -235,17 +321,19 @@ def markdown(rows: list[dict[str, Any]], recipe: Recipe | None = None, price: fl
                 str(row["accelerators"]),
                 f"{row['sequences_per_sec']:,.2f}",
                 f"{row['sequences_per_sec_per_accelerator']:,.2f}",
+                _fmt_pct(row["mfu"]),
                 eff_s,
                 "n/a" if ah is None else f"{ah:.4f}",
             ]
             if recipe is not None:
-                flag = " *" if row["projection_seq_len_mismatch"] else ""
-                cells += [
-                    _fmt_hours(row["projected_hours"]) + flag,
-                    f"{row['projected_accelerator_hours']:,.0f}",
-                ]
-                if price:
-                    cells += [f"${row['projected_cost']:,.0f}"]
+                hours = row["projected_hours"]
+                if hours is None:  # the summary has no FLOPs per token to project with
+                    cells += ["n/a", "n/a"] + (["n/a"] if price else [])
+                else:
+                    flag = " *" if row["projection_extrapolated"] else ""
+                    cells += [_fmt_hours(hours) + flag, f"{row['projected_accelerator_hours']:,.0f}"]
+                    if price:
+                        cells += [f"${row['projected_cost']:,.0f}"]
             cells += [f"`{row['run']}`"]
             out.write("| " + " | ".join(cells) + " |\n")
         if all(r["scaling_efficiency"] is None for r in grp):
@@ -254,17 +342,45 @@ def markdown(rows: list[dict[str, Any]], recipe: Recipe | None = None, price: fl
                 "so there is no scaling efficiency to report.\n"
             )
         out.write("\n")
-    if recipe is not None:
-        phases = "; ".join(f"{Path(f).name}: {st:,} steps x {gb:,}" for f, st, gb, _ in recipe.phases)
-        out.write(f"Recipe: {recipe.samples:,} samples ({phases}).")
+    if recipe is not None and rows:
+        out.write(f"Projected: the recipe's {recipe.flops:.3e} training FLOPs at each run's achieved FLOP/s.")
         if price:
             out.write(f" Cost at ${price:,.2f} per instance-hour.")
-        if any(r.get("projection_seq_len_mismatch") for r in rows):
+        if any(r.get("projection_extrapolated") for r in rows):
             out.write(
-                " `*`: the recipe has phases at another sequence length than the measured run; the projection "
-                "applies the run's sequences/s to them and underestimates longer sequences."
+                " `*`: the recipe's model or sequence length differs from the measured run's; the projection "
+                "assumes the run's MFU carries over."
             )
+        if any(r.get("projected_hours") is None for r in rows):
+            out.write(" n/a: the run's summary has no flops_per_token.")
         out.write("\n")
+    return out.getvalue()
+
+
+def recipe_markdown(
+    recipe: Recipe, device: str | None = None, mfu: float | None = None, accelerators: int = 1
+) -> str:
+    """The recipe's phases and their FLOPs; with ``device`` and ``mfu``, its projected time there."""
+    out = io.StringIO()
+    out.write("### Recipe\n\n")
+    cols = ["phase", "model", "steps", "global batch", "seq len", "samples", "tokens", "FLOPs/token", "FLOPs"]
+    out.write("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n")
+    for p in recipe.phases:
+        cells = [Path(p.config).name, p.model, f"{p.steps:,}", f"{p.global_batch:,}", f"{p.seq_len:,}"]
+        cells += [f"{p.samples:,}", f"{p.tokens:,}", f"{p.flops_per_token:.3e}", f"{p.flops:.3e}"]
+        out.write("| " + " | ".join(cells) + " |\n")
+    out.write(
+        f"| total | | | | | {recipe.samples:,} | {recipe.tokens:,} | | {recipe.flops:.3e} |\n\n"
+        "FLOPs: model.flops.training_flops_per_token (6 N + 12 L d S per token, forward and backward).\n"
+    )
+    if device is not None and mfu is not None:
+        peak = device_peak(device)
+        proj = recipe_projection(recipe, peak, mfu, accelerators)
+        out.write(
+            f"On {device} ({peak / 1e12:,.1f} TFLOP/s peak) at {mfu * 100:.1f}% MFU: "
+            f"{proj['accelerator_hours']:,.0f} accelerator-hours, {_fmt_hours(proj['hours'])} "
+            f"on {accelerators:,} accelerator(s).\n"
+        )
     return out.getvalue()
 
 
@@ -315,47 +431,48 @@ def plot(rows: list[dict[str, Any]], path: str | Path) -> None:
     plt.close(fig)
 
 
-def annotate_efficiency(run_dir: Path, runs_root: Path) -> float | None:
-    """Write ``scaling_efficiency`` and ``baseline_run`` into ``run_dir/summary.json`` when a baseline exists.
-
-    train.py calls this at the end of a run: the baseline is the run of the same fingerprint under
-    ``runs_root`` with the fewest accelerators, and it must have fewer than this run (a run is not its own
-    baseline). Returns the efficiency, or None (summary left untouched) when there is no baseline.
-    """
-    own = Path(run_dir) / "summary.json"
-    summary = load_summary(own)
-    runs = [r for r in find_runs([Path(runs_root)]) if r.summary["fingerprint"] == summary["fingerprint"]]
-    me = Run(own.resolve(), summary)
-    smaller = [r for r in runs if r.devices < me.devices and r.path != me.path]
-    if not smaller:
-        return None
-    base = min(smaller, key=lambda r: (r.devices, str(r.path)))
-    eff = scaling_efficiency(me.per_device, base.per_device)
-    summary["scaling_efficiency"] = eff
-    summary["baseline_run"] = str(base.dir)
-    atomic_write_json(own, summary)
-    return eff
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("runs", nargs="+", help="run directories (searched recursively for summary.json)")
+    parser.add_argument("runs", nargs="*", help="run directories (searched recursively for summary.json)")
     parser.add_argument("--markdown", default=None, help="also write the tables as Markdown here")
     parser.add_argument("--csv", default=None, help="also write one CSV row per run here")
     parser.add_argument("--plot", default=None, help="PNG of efficiency and throughput against accelerators")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     parser.add_argument(
-        "--recipe", default=None, help="comma list of recipe YAMLs (phases) to project time and cost for"
+        "--recipe",
+        default=None,
+        help="comma list of recipe names or YAMLs (its phases, in order) to project time and cost for",
     )
     parser.add_argument(
         "--profile", default=None, help="cluster profile (name or YAML) with price_per_instance_hour"
     )
+    parser.add_argument(
+        "--device", default=None, help="with --recipe: project on this device (exact name, or cpu)"
+    )
+    parser.add_argument("--mfu", type=float, default=None, help="with --device: the MFU to assume (0-1)")
+    parser.add_argument(
+        "--accelerators", type=int, default=1, help="with --device: how many devices (default 1)"
+    )
+
+
+def _check_device_args(args: argparse.Namespace) -> None:
+    if (args.device is None) != (args.mfu is None):
+        raise UserError("--device and --mfu go together (the device's peak and the fraction of it to assume)")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise UserError(f"--mfu must be in (0, 1] (got {args.mfu})")
+    if args.accelerators <= 0:
+        raise UserError(f"--accelerators must be positive (got {args.accelerators})")
+    if args.device is not None and not args.recipe:
+        raise UserError("--device projects a recipe: give --recipe too")
 
 
 def run(args: argparse.Namespace) -> int:
+    _check_device_args(args)
+    if not args.runs and not args.recipe:
+        raise UserError("give run directories to report on, or --recipe to project")
+    recipe = load_recipe(args.recipe.split(",")) if args.recipe else None
     runs = find_runs([Path(p) for p in args.runs])
-    if not runs:
-        raise UserError(f"no summary.json under {', '.join(args.runs)}")
-    recipe = load_recipe([p for p in args.recipe.split(",") if p.strip()]) if args.recipe else None
+    if args.runs and not runs:
+        raise UserError(f"no measured summary.json under {', '.join(args.runs)}")
     price = None
     if args.profile:
         from launch.profiles import load_profile
@@ -366,6 +483,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{prof.path}: no price_per_instance_hour, so no cost projection")
     rows = build_rows(runs, recipe, price)
     text = markdown(rows, recipe, price)
+    if recipe is not None:
+        text += ("\n" if text else "") + recipe_markdown(recipe, args.device, args.mfu, args.accelerators)
     print(text, end="")
     if args.markdown:
         atomic_write_text(args.markdown, text)
@@ -374,5 +493,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         atomic_write_json(args.json, rows)
     if args.plot:
+        if not rows:
+            raise UserError("--plot needs measured runs")
         plot(rows, args.plot)
     return 0

@@ -9,8 +9,9 @@ on one machine (``--world-sizes``; on CPU a rank stands for an accelerator and O
 
     deepspeed --hostfile H --num_nodes n --num_gpus G train.py --config X.yaml run.dir=RUNS/nNxG train.steps=N ...
 
-on a cluster (``--nodes`` with ``--hostfile``). train.py writes ``summary.json`` in run.dir (keys in
-``launch.report``) and may call ``launch.report.annotate_efficiency``. A size whose run directory already has a
+on a cluster (``--nodes`` with ``--hostfile``). train.py writes its own ``summary.json`` in run.dir (keys
+in ``launch.report``); the sweep then prints ``launch.report``'s table, which computes scaling efficiency
+from the summaries (no run writes another's figures). A size whose run directory already has a
 ``summary.json`` is skipped (``--rerun`` to run it again), so an interrupted sweep continues where it stopped.
 """
 

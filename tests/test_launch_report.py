@@ -1,4 +1,5 @@
-"""Scaling report: grouping by fingerprint, efficiency against the smallest run, projections, CSV/Markdown/PNG."""
+"""Scaling report: grouping by fingerprint, efficiency against the smallest run computed when the report reads
+the summaries, recipe projections through train.py's config loader, CSV/Markdown/PNG."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ from pathlib import Path
 import pytest
 
 from common.errors import UserError
-from launch.report import annotate_efficiency, build_rows, find_runs, load_recipe
+from launch.report import build_rows, device_peak, find_runs, load_recipe
 from tests.conftest import REPO, run_env
 from training.metrics import config_fingerprint
 
+FLOPS_PER_TOKEN = 1.5e8
+SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))  # configs/cluster/ holds profiles
 
-def write_summary(root: Path, name: str, world: int, seqs_per_s: float, threads: int = 1, model: str = "bert-debug",
-                  wall: float = 60.0, seq_len: int = 128) -> Path:  # fmt: skip
+
+def write_summary(root: Path, name: str, world: int, seqs_per_s: float, threads: int = 1,
+                  model: str = "bert-debug", wall: float = 60.0, seq_len: int = 128, mfu: float | None = 0.01,
+                  flops_per_token: float | None = FLOPS_PER_TOKEN) -> Path:  # fmt: skip
     cfg = {
         "model": {"name": model},
         "train": {"global_batch": 32, "seq_len": seq_len},
@@ -27,11 +32,13 @@ def write_summary(root: Path, name: str, world: int, seqs_per_s: float, threads:
     run_dir.mkdir(parents=True)
     summary = {
         "model": model, "family": "bert", "world_size": world, "nodes": 1, "device_kind": "cpu",
-        "device_count": world, "threads_per_rank": threads, "precision": "bf16", "zero_stage": 2, "micro_batch": 8,
-        "global_batch": 32, "grad_accum": 32 // (8 * world), "seq_len": seq_len, "steps": 20,
+        "device_count": world, "threads_per_rank": threads, "precision": "bf16", "zero_stage": 2,
+        "micro_batch": 8, "global_batch": 32, "grad_accum": 32 // (8 * world), "seq_len": seq_len,
+        "steps": 20,
         "sequences_per_sec": seqs_per_s, "tokens_per_sec": seqs_per_s * seq_len,
-        "sequences_per_sec_per_device": seqs_per_s / world, "tokens_per_sec_per_device": seqs_per_s * seq_len / world,
-        "tflops_per_device": 0.01, "mfu": 0.01, "peak_memory_bytes": 1 << 30, "wall_time_s": wall,
+        "sequences_per_sec_per_device": seqs_per_s / world,
+        "tokens_per_sec_per_device": seqs_per_s * seq_len / world, "flops_per_token": flops_per_token,
+        "tflops_per_device": 0.01, "mfu": mfu, "peak_memory_bytes": 1 << 30, "wall_time_s": wall,
         "fingerprint": config_fingerprint(dict(cfg, world_size=world)), "config": cfg,
     }  # fmt: skip
     (run_dir / "summary.json").write_text(json.dumps(summary))
@@ -43,9 +50,14 @@ def runs(tmp_path: Path) -> Path:
     root = tmp_path / "runs"
     write_summary(root, "w1", 1, 100.0)
     write_summary(root, "w2", 2, 180.0)
-    write_summary(root, "w4", 4, 300.0)
+    write_summary(root, "w4", 4, 300.0, mfu=None)  # a device without a known peak: mfu null
     write_summary(root, "w2-t2", 2, 250.0, threads=2)  # other threads per rank: another group, alone
     return root
+
+
+def _report(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "launch", "report", *args], cwd=REPO, env=run_env(),
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
 
 
 def test_groups_and_efficiency(runs: Path) -> None:
@@ -57,40 +69,67 @@ def test_groups_and_efficiency(runs: Path) -> None:
     assert by_name["w4"]["scaling_efficiency"] == pytest.approx(0.75)
     assert by_name["w2-t2"]["scaling_efficiency"] is None  # alone: no invented 100%
     assert by_name["w4"]["accelerator_hours"] == pytest.approx(4 * 60 / 3600)
+    assert by_name["w4"]["mfu"] is None and by_name["w2"]["mfu"] == 0.01
 
 
-def test_projection_from_recipe_and_profile_price(runs: Path, tmp_path: Path) -> None:
-    p1, p2 = tmp_path / "phase1.yaml", tmp_path / "phase2.yaml"
-    p1.write_text("train: {steps: 7038, global_batch: 65536}\ndata: {seq_len: 128}\n")
-    p2.write_text("train: {steps: 1563, global_batch: 32768}\ndata: {seq_len: 512}\n")
-    recipe = load_recipe([str(p1), str(p2)])
+def test_projection_at_the_runs_achieved_flops(runs: Path) -> None:
+    recipe = load_recipe(
+        ["bert-large-phase1", "bert-large-phase2"]
+    )  # phase 2 has no train.seq_len of its own
+    assert [(p.steps, p.global_batch, p.seq_len) for p in recipe.phases] == [
+        (7038, 65536, 128),
+        (1563, 32768, 512),
+    ]
     assert recipe.samples == 7038 * 65536 + 1563 * 32768
+    assert recipe.tokens == 7038 * 65536 * 128 + 1563 * 32768 * 512
+    p1, p2 = recipe.phases
+    assert p2.flops_per_token > p1.flops_per_token  # attention grows with the sequence
     rows = build_rows(find_runs([runs]), recipe, price_per_instance_hour=10.0)
     w2 = next(r for r in rows if Path(r["run"]).name == "w2")
-    hours = recipe.samples / 180.0 / 3600
+    achieved = 180.0 * 128 / 2 * FLOPS_PER_TOKEN  # model FLOP/s per accelerator the run measured
+    hours = recipe.flops / (achieved * 2) / 3600
     assert w2["projected_hours"] == pytest.approx(hours)
     assert w2["projected_accelerator_hours"] == pytest.approx(2 * hours)
     assert w2["projected_cost"] == pytest.approx(10.0 * hours)  # one node
-    assert w2["projection_seq_len_mismatch"]  # phase 2 is at 512, the run at 128
+    assert w2["projection_extrapolated"]  # bert-large at 128 and 512 from a bert-debug run at 128
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_recipe_projects(name: str, tmp_path: Path) -> None:
+    recipe = load_recipe([name])
+    (phase,) = recipe.phases
+    assert phase.seq_len >= 128 and phase.steps > 0 and phase.global_batch > 0
+    assert recipe.samples > 0 and recipe.tokens > 0 and phase.flops_per_token > 0 and recipe.flops > 0
+    if name.startswith("neox"):
+        assert phase.seq_len == 2048  # from neox-125m.yaml, through `base:`
+    write_summary(tmp_path, "w8", 8, 40.0, model=phase.model, seq_len=phase.seq_len)
+    (row,) = build_rows(find_runs([tmp_path]), recipe)
+    assert row["projected_hours"] > 0 and row["projected_accelerator_hours"] > 0
+    assert not row["projection_extrapolated"]  # same model and sequence length as the run
+
+
+def test_recipe_errors_are_user_errors(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
-    bad.write_text("train: {steps: 10}\n")
-    with pytest.raises(UserError, match="global_batch"):
+    bad.write_text(f"base: {REPO / 'configs' / 'smoke.yaml'}\ntrain: {{steps: 0}}\n")
+    with pytest.raises(UserError, match="train.steps"):
         load_recipe([str(bad)])
+    with pytest.raises(UserError, match="nosuch"):
+        load_recipe(["nosuch"])
+    with pytest.raises(UserError, match="no peak FLOP/s known"):
+        device_peak("H100")  # exact names only
 
 
-def test_cli_writes_markdown_csv_and_png(runs: Path, tmp_path: Path) -> None:
-    p1 = tmp_path / "phase1.yaml"
-    p1.write_text("train: {steps: 7038, global_batch: 65536}\n")
+def test_cli_writes_markdown_csv_and_png_and_leaves_summaries_alone(runs: Path, tmp_path: Path) -> None:
+    before = {p: p.read_bytes() for p in runs.rglob("summary.json")}
     md, csv_path, png = tmp_path / "r.md", tmp_path / "r.csv", tmp_path / "r.png"
-    r = subprocess.run(
-        [sys.executable, "-m", "launch", "report", str(runs), "--markdown", str(md), "--csv", str(csv_path),
-         "--plot", str(png), "--recipe", str(p1), "--profile", "efa"],
-        cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    r = _report(str(runs), "--markdown", str(md), "--csv", str(csv_path), "--plot", str(png),
+                "--recipe", "smoke", "--profile", "efa")  # fmt: skip
     assert r.returncode == 0, r.stderr
-    assert "| 1 | 2 | 180.00 | 90.00 | 90.0% |" in r.stdout
+    assert "| 1 | 2 | 180.00 | 90.00 | 1.0% | 90.0% |" in r.stdout
+    assert "| 1 | 4 | 300.00 | 75.00 | n/a | 75.0% |" in r.stdout  # mfu null
     assert "n/a (no baseline)" in r.stdout and "No baseline" in r.stdout
-    assert "projected cost" in r.stdout and md.read_text() == r.stdout
+    assert "projected cost" in r.stdout and "| smoke.yaml | bert-debug | 40 | 32 | 128 |" in r.stdout
+    assert md.read_text() == r.stdout
     rows = list(csv.DictReader(csv_path.open()))
     assert len(rows) == 4 and {float(x["scaling_efficiency"]) for x in rows if x["scaling_efficiency"]} >= {
         0.9,
@@ -100,24 +139,36 @@ def test_cli_writes_markdown_csv_and_png(runs: Path, tmp_path: Path) -> None:
 
     img = matplotlib.image.imread(str(png))
     assert img.shape[0] == 420 and img.shape[1] == 1100
+    assert {p: p.read_bytes() for p in runs.rglob("summary.json")} == before  # the report writes no summary
+
+
+def test_cli_recipe_alone_on_a_device() -> None:
+    r = _report(
+        "--recipe", "neox-20b", "--device", "NVIDIA H100 80GB HBM3", "--mfu", "0.4", "--accelerators", "96"
+    )
+    assert r.returncode == 0, r.stderr
+    recipe = load_recipe(["neox-20b"])
+    accel_hours = recipe.flops / (device_peak("NVIDIA H100 80GB HBM3") * 0.4) / 3600
+    assert f"at 40.0% MFU: {accel_hours:,.0f} accelerator-hours" in r.stdout
+    assert "| neox-20b.yaml | neox-20b | 150,000 | 1,536 | 2,048 |" in r.stdout
+
+
+def test_too_short_run_is_left_out(runs: Path) -> None:
+    short = runs / "short"
+    short.mkdir()
+    (short / "summary.json").write_text(json.dumps({"fingerprint": "x", "device_count": 2, "steps": 3}))
+    assert sorted(r.dir.name for r in find_runs([runs])) == ["w1", "w2", "w2-t2", "w4"]
 
 
 def test_report_errors_are_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "runs" / "x"
     bad.mkdir(parents=True)
-    (bad / "summary.json").write_text('{"fingerprint": "a", "device_count": 0}')
-    r = subprocess.run([sys.executable, "-m", "launch", "report", str(tmp_path / "runs")], cwd=REPO, env=run_env(),
-                       capture_output=True, text=True)  # fmt: skip
-    assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
-
-
-def test_annotate_efficiency_writes_only_with_a_smaller_baseline(runs: Path) -> None:
-    assert annotate_efficiency(runs / "w1", runs) is None  # the smallest run is nobody's comparison
-    assert "scaling_efficiency" not in json.loads((runs / "w1" / "summary.json").read_text())
-    assert annotate_efficiency(runs / "w2-t2", runs) is None  # alone in its group
-    eff = annotate_efficiency(runs / "w4", runs)
-    assert eff == pytest.approx(0.75)
-    s = json.loads((runs / "w4" / "summary.json").read_text())
-    assert s["scaling_efficiency"] == pytest.approx(0.75) and s["baseline_run"] == str(
-        (runs / "w1").resolve()
-    )
+    (bad / "summary.json").write_text('{"fingerprint": "a", "device_count": 0, "sequences_per_sec": 1}')
+    for args in ([str(tmp_path / "runs")], ["--recipe", "smoke", "--device", "NVIDIA H100 80GB HBM3"], []):
+        r = _report(*args)
+        assert (
+            r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
+        ), (
+            args,
+            r.stderr,
+        )

@@ -55,15 +55,18 @@ def test_sweep_world_sizes_1_and_2_measures_efficiency(tmp_path: Path) -> None:
     s1 = json.loads((runs / "w1" / "summary.json").read_text())
     s2 = json.loads((runs / "w2" / "summary.json").read_text())
     assert s1["fingerprint"] == s2["fingerprint"] and s2["world_size"] == 2
+    assert s1["nodes"] == s2["nodes"] == 1
     measured = s2["sequences_per_sec_per_device"] / s1["sequences_per_sec_per_device"]
-    assert s2["scaling_efficiency"] == pytest.approx(measured) and 0 < measured < 2  # written by annotate
-    assert "scaling_efficiency" not in s1
+    assert 0 < measured < 2
+    assert "scaling_efficiency" not in s1 and "scaling_efficiency" not in s2  # each run: its own figures
+    assert f"{measured * 100:.1f}%" in r.stdout  # the sweep's own table, computed from the summaries
     rep = subprocess.run(
         [sys.executable, "-m", "launch", "report", str(runs), "--plot", str(png)],
         cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert rep.returncode == 0, rep.stderr
     assert f"{measured * 100:.1f}%" in rep.stdout and "(baseline)" in rep.stdout
+    assert "| 1 | 2 |" in rep.stdout and "| n/a |" in rep.stdout  # one node, two ranks; mfu null: n/a
     print(rep.stdout)
     from PIL import Image
 

@@ -1,15 +1,15 @@
 """Stand-in for train.py in the launch tests, honouring the same contract until train.py exists.
 
-``deepspeed --num_gpus W launch_standin_train.py --config X.yaml run.dir=D train.steps=N run.threads_per_rank=T``
-trains a small MLP with real DeepSpeed (data parallel over W CPU ranks, gloo all-reduce of the gradients), times
-the steps after a warm-up, and writes ``D/summary.json`` with the keys ``launch.report`` reads, then calls
-``launch.report.annotate_efficiency``. Only the model is a stand-in; launcher, ranks and collectives are real.
+``deepspeed --num_gpus W launch_standin_train.py --config X.yaml run.dir=D train.steps=N
+run.threads_per_rank=T`` trains a small MLP with real DeepSpeed (data parallel over W CPU ranks, gloo
+all-reduce of the gradients), times the steps after a warm-up, and writes ``D/summary.json`` with the keys
+``launch.report`` reads (and nothing about other runs: the report compares them). Only the model is a
+stand-in; launcher, ranks and collectives are real. Its MFU is ``null``, as for a device without a known peak.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sys
 import time
@@ -40,7 +40,7 @@ def main() -> int:
     import torch
 
     from common.atomic import atomic_write_json
-    from launch.report import annotate_efficiency
+    from common.cluster import node_count
     from training.metrics import config_fingerprint, throughput
 
     threads = int(cfg["run"].get("threads_per_rank", 1))
@@ -88,7 +88,7 @@ def main() -> int:
             "model": "standin-mlp",
             "family": "standin",
             "world_size": world,
-            "nodes": int(os.environ.get("CROSS_SIZE", "1")),
+            "nodes": node_count(),
             "device_kind": "cpu",
             "device_count": world,
             "threads_per_rank": threads,
@@ -103,13 +103,15 @@ def main() -> int:
             "tokens_per_sec": tp.tokens_per_sec,
             "sequences_per_sec_per_device": tp.sequences_per_sec_per_device,
             "tokens_per_sec_per_device": tp.tokens_per_sec_per_device,
+            # 6 x matmul weights per token (forward + backward multiply-adds), model.flops's convention
+            "flops_per_token": 6.0 * sum(m.weight.numel() for m in model if isinstance(m, torch.nn.Linear)),
+            "mfu": None,
             "wall_time_s": seconds,
             "host": socket.gethostname(),
             "fingerprint": config_fingerprint(resolved),
             "config": resolved,
         }
         atomic_write_json(run_dir / "summary.json", summary)
-        annotate_efficiency(run_dir, run_dir.parent)
     dist.barrier()
     return 0
 
