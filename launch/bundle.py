@@ -9,18 +9,23 @@ What it does, in order:
 2. builds a DeepSpeed wheel from its sdist (the package index has no DeepSpeed wheel) unless the target already
    has a satisfying DeepSpeed: ``DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation deepspeed==VERSION``
    (ops are compiled just in time on the target, so the wheel is pure Python and fits any platform);
-3. resolves the whole dependency closure for the target with pip's own resolver (``pip install --dry-run
-   --report`` with ``--only-binary=:all: --python-version --platform``; only metadata is fetched), pinning what
-   the target already has (its ``pip freeze`` or ``--have``) so the versions chosen fit it;
-4. keeps the packages reachable from the project without passing through one the target has, and downloads
-   exactly those (``pip download --no-deps --only-binary=:all:``);
+3. resolves what the target must install with pip's own resolver (``pip install --dry-run --report`` with
+   ``--only-binary=:all: --python-version --platform``; only metadata is fetched). pip runs in a stand-in of the
+   target's environment: a folder of bare ``.dist-info`` entries, one per package the target already has (from
+   its ``pip freeze`` or ``--have``), so pip keeps what satisfies and upgrades what does not, exactly as it will
+   on the target, and never looks at the dependencies of what is already there (torch's CUDA libraries);
+4. downloads those wheels (``pip download --no-deps --only-binary=:all:``) next to the two built ones;
 5. optionally copies the enwiki sample dump, and writes MANIFEST.json (name, version, size, sha256 of each file).
+
+pip evaluates environment markers (``; python_version < "3.12"``) for the interpreter that runs this command, so
+run it with the target's Python minor version when the dependencies have such markers.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -53,7 +58,6 @@ _PLATFORM_RE = re.compile(
     r"|(?P<mac>macosx_\d+_\d+)_(?P<mmach>x86_64|arm64|universal2|intel)"
     r"|(?P<win>win_amd64|win32|win_arm64))$"
 )
-_WIN_MACHINE = {"win_amd64": "AMD64", "win32": "x86", "win_arm64": "ARM64"}
 
 
 @dataclass
@@ -63,33 +67,7 @@ class Target:
     python_version: str
     platforms: list[str]
     implementation: str = "cp"
-    have: dict[str, str | None] = field(default_factory=dict)  # canonical name -> version (None: unknown)
-
-    def marker_env(self, extra: str = "") -> dict[str, str]:
-        m = _PLATFORM_RE.match(self.platforms[0])
-        assert m is not None
-        if m.group("linux"):
-            sys_platform, system, machine = "linux", "Linux", m.group("lmach")
-        elif m.group("mac"):
-            sys_platform, system = "darwin", "Darwin"
-            machine = {"intel": "x86_64", "universal2": "arm64"}.get(m.group("mmach"), m.group("mmach"))
-        else:
-            sys_platform, system, machine = "win32", "Windows", _WIN_MACHINE[m.group("win")]
-        impl = {"cp": ("cpython", "CPython"), "pp": ("pypy", "PyPy")}.get(self.implementation, ("", ""))
-        return {
-            "python_version": self.python_version,
-            "python_full_version": self.python_version + ".0",
-            "implementation_version": self.python_version + ".0",
-            "sys_platform": sys_platform,
-            "platform_system": system,
-            "platform_machine": machine,
-            "os_name": "nt" if sys_platform == "win32" else "posix",
-            "implementation_name": impl[0],
-            "platform_python_implementation": impl[1],
-            "platform_release": "",
-            "platform_version": "",
-            "extra": extra,
-        }
+    have: dict[str, str] = field(default_factory=dict)  # canonical name -> version
 
     def pip_target_args(self) -> list[str]:
         args = ["--only-binary=:all:", "--python-version", self.python_version, "--implementation"]
@@ -99,12 +77,9 @@ class Target:
         return args
 
     def has(self, req: Requirement) -> bool:
-        """The target has a distribution that satisfies ``req`` (an unknown version is taken as satisfying)."""
-        name = canonicalize_name(req.name)
-        if name not in self.have:
-            return False
-        ver = self.have[name]
-        return ver is None or req.specifier.contains(ver, prereleases=True)
+        """The target has a distribution that satisfies ``req``."""
+        ver = self.have.get(canonicalize_name(req.name))
+        return ver is not None and req.specifier.contains(ver, prereleases=True)
 
 
 def check_platforms(platforms: list[str]) -> None:
@@ -126,51 +101,83 @@ def parse_have_line(line: str, where: str) -> tuple[str, str | None] | None:
     line = line.split("#", 1)[0].strip()
     if not line or line.startswith("-"):  # comments, -e editable installs, options
         return None
-    if " @ " in line:  # "name @ file:///..." (a direct install): present, version unknown
-        name = line.split(" @ ", 1)[0].strip()
-        return canonicalize_name(name), None
-    if "==" in line:
+    if " @ " in line:  # "name @ file:///..." (a direct install): version not in the line
+        name, ver = line.split(" @ ", 1)[0].strip(), None
+    elif "==" in line:
         name, _, ver = line.partition("==")
         name, ver = name.strip(), ver.strip()
         try:
             Version(ver)
         except InvalidVersion:
             raise UserError(f"{where}: {line!r} has an invalid version {ver!r}") from None
-    elif re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", line):
-        name, ver = line, None
     else:
+        name, ver = line, None
+    if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?", name):
         raise UserError(f"{where}: {line!r} is neither NAME==VERSION nor NAME")
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
-        raise UserError(f"{where}: {line!r} has an invalid package name {name!r}")
     return canonicalize_name(name), ver
 
 
-def read_have(freeze: str | None, have: list[str]) -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
+def _version_here(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def read_have(freeze: str | None, have: list[str]) -> dict[str, str]:
+    """What the target has: name -> version. A name given without a version is taken at this machine's version."""
+    out: dict[str, str] = {}
+    lines: list[tuple[str, str, bool]] = []
     if freeze:
         path = Path(freeze)
         if not path.is_file():
             raise UserError(f"--target-freeze {freeze}: no such file")
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            got = parse_have_line(line, f"{freeze}:{i}")
-            if got:
-                out[got[0]] = got[1]
-    for value in have:
-        got = parse_have_line(value, f"--have {value}")
-        if got:
-            out[got[0]] = got[1]
+        text = path.read_text(encoding="utf-8")
+        lines += [(ln, f"{freeze}:{i}", False) for i, ln in enumerate(text.splitlines(), 1)]
+    lines += [(value, f"--have {value}", True) for value in have]
+    for line, where, strict in lines:
+        got = parse_have_line(line, where)
+        if got is None:
+            continue
+        name, ver = got
+        if ver is None:
+            ver = _version_here(name)
+            if ver is None:
+                if strict:
+                    raise UserError(
+                        f"{where}: no version given and {name} is not installed here; use NAME==VERSION"
+                    )
+                continue  # a freeze line without a version for a package unknown here: not counted as present
+            log.info(f"{where}: no version given; taking this machine's {name}=={ver}")
+        out[name] = ver
     return out
 
 
-def pip(args: list[str], what: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> str:
-    """Run ``python -m pip ARGS``; a failure becomes one line naming ``what`` and pip's own error line."""
-    cmd = [sys.executable, "-m", "pip", *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd)
+def _pip_error(output: str) -> str:
+    """The informative line of a failed pip run."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln.removeprefix("ERROR:").strip() for ln in lines if ln.startswith("ERROR:")]
+    errors = [e for e in errors if not e.startswith("Ignored the following")] or errors
+    return (errors or lines or ["(no output)"])[-1]
+
+
+def pip(
+    args: list[str],
+    what: str,
+    env: dict[str, str] | None = None,
+    isolated: bool = False,
+) -> str:
+    """Run ``python -m pip ARGS`` (``python -S`` when ``isolated``); a failure becomes one line."""
+    cmd = [sys.executable, *(["-S"] if isolated else []), "-m", "pip", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode != 0:
-        lines = [ln.strip() for ln in (res.stderr + res.stdout).splitlines() if ln.strip()]
-        errors = [ln for ln in lines if ln.startswith("ERROR:")] or lines[-1:] or ["(no output)"]
-        first = errors[0].removeprefix("ERROR:").strip()
-        raise UserError(f"{what}: pip failed: {first}")
+        err = _pip_error(res.stderr + "\n" + res.stdout)
+        m = re.match(r"No matching distribution found for (\S+)", err)
+        if m and "--only-binary=:all:" in args:
+            err = f"{m.group(1)} has no wheel for this target on the package index (sdists cannot be bundled)"
+        raise UserError(f"{what}: {err}")
     return res.stdout
 
 
@@ -221,12 +228,8 @@ def build_project_wheel(src: Path, dest: Path) -> Path:
         shutil.copytree(src, copy, ignore=skip, symlinks=True)
         before = set(dest.glob("*.whl"))
         args = ["wheel", "--no-deps", "-q", "-w", str(dest)]
-        try:
-            import setuptools  # noqa: F401
-
-            args.append("--no-build-isolation")  # no network needed for the build backend
-        except ImportError:
-            pass
+        if importlib.util.find_spec("setuptools") is not None:
+            args.append("--no-build-isolation")  # the build backend is here: no network needed for it
         pip([*args, str(copy)], f"{src}: building the project wheel")
     new = sorted(set(dest.glob("*.whl")) - before)
     if len(new) != 1:
@@ -279,61 +282,40 @@ def build_deepspeed_wheel(spec: Requirement, wanted: str | None, dest: Path) -> 
     return new[0]
 
 
+def stand_in_site(target: Target, scratch: Path) -> Path:
+    """A folder pip reads as the target's site-packages: a bare ``.dist-info`` per package it already has."""
+    site = scratch / "target-site"
+    site.mkdir()
+    for name, ver in sorted(target.have.items()):
+        info = site / f"{name.replace('-', '_')}-{ver}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {ver}\n")
+        (info / "INSTALLER").write_text("stand-in\n")
+    return site
+
+
 def resolve(target: Target, roots: list[str], scratch: Path) -> list[dict]:
-    """pip's resolution of ``roots`` for the target (metadata only), as the entries of its install report."""
-    constraints = scratch / "target-has.txt"
-    pins = [f"{name}=={Version(v).public}" for name, v in sorted(target.have.items()) if v is not None]
-    constraints.write_text("".join(p + "\n" for p in pins))
+    """What pip would install on the target for ``roots`` (metadata only): the entries of its install report.
+
+    pip runs as ``python -S`` (no site-packages of this environment) with only itself and the stand-in site on
+    its path, so "already installed" means "the target has it".
+    """
+    import pip as _pip
+
+    pip_root = scratch / "pip-root"
+    pip_root.mkdir()
+    (pip_root / "pip").symlink_to(Path(_pip.__file__).resolve().parent, target_is_directory=True)
+    site = stand_in_site(target, scratch)
+    env = dict(os.environ, PYTHONPATH=f"{pip_root}{os.pathsep}{site}", PYTHONNOUSERSITE="1")
     report = scratch / "report.json"
-    args = ["install", "--dry-run", "--ignore-installed", "-q", "--report", str(report)]
-    args += [*target.pip_target_args(), "-c", str(constraints), *roots]
-    pip(args, f"resolving for python {target.python_version} / {' '.join(target.platforms)}")
+    args = ["install", "--dry-run", "-q", "--report", str(report), *target.pip_target_args(), *roots]
+    pip(
+        args,
+        f"resolving for python {target.python_version} / {' '.join(target.platforms)}",
+        env=env,
+        isolated=True,
+    )
     return json.loads(report.read_text())["install"]
-
-
-def closure(target: Target, entries: list[dict], root: str, extras: list[str]) -> list[dict]:
-    """Entries reachable from ``root`` (with ``extras``) without passing through a package the target has."""
-    by_name = {canonicalize_name(e["metadata"]["name"]): e for e in entries}
-    keep: dict[str, dict] = {}
-    todo: list[tuple[str, frozenset[str], str]] = [(canonicalize_name(root), frozenset(extras), "")]
-    seen: set[tuple[str, frozenset[str]]] = set()
-    while todo:
-        name, want_extras, parent = todo.pop()
-        if (name, want_extras) in seen:
-            continue
-        seen.add((name, want_extras))
-        entry = by_name.get(name)
-        if entry is None:
-            raise UserError(
-                f"{name} (required by {parent}) was not resolved for the target; add it with --have or check "
-                "--platform"
-            )
-        keep[name] = entry
-        for line in entry["metadata"].get("requires_dist", []):
-            req = Requirement(line)
-            markers = [""] + sorted(want_extras)
-            if req.marker and not any(req.marker.evaluate(target.marker_env(x)) for x in markers):
-                continue
-            if target.has(req):
-                continue
-            todo.append(
-                (canonicalize_name(req.name), frozenset(canonicalize_name(x) for x in req.extras), name)
-            )
-    return list(keep.values())
-
-
-def _direct_conflicts(target: Target, reqs: list[str], extras: list[str]) -> list[str]:
-    """Packages the target has at a version the project's direct requirements reject: they go in the bundle."""
-    dropped = []
-    for line in reqs:
-        req = Requirement(line)
-        envs = [target.marker_env(x) for x in ["", *extras]]
-        if req.marker and not any(req.marker.evaluate(e) for e in envs):
-            continue
-        name = canonicalize_name(req.name)
-        if name in target.have and not target.has(req):
-            dropped.append(f"{name}=={target.have.pop(name)} (project needs {req.specifier})")
-    return dropped
 
 
 def build_bundle(
@@ -362,9 +344,6 @@ def build_bundle(
             )
         target.have.pop(proj_name, None)  # the bundle always carries the project itself
         requires = [str(r) for r in meta["requires_dist"]]  # type: ignore[union-attr]
-        upgraded = _direct_conflicts(target, requires, extras)
-        for line in upgraded:
-            log.info(f"the target's {line}: bundling a newer one")
 
         local = {proj_name: proj_whl}
         ds_req = next(
@@ -380,8 +359,7 @@ def build_bundle(
         log.info(
             f"resolving {proj_name}{extra_s} for python {target.python_version} / {' '.join(target.platforms)}"
         )
-        entries = resolve(target, roots, scratch)
-        wanted = closure(target, entries, proj_name, extras)
+        wanted = resolve(target, roots, scratch)
 
         # Clear a previous bundle's files only now that the new one resolved.
         for old in [*out.glob("*.whl"), out / MANIFEST, out / SAMPLE_DIR]:
@@ -399,7 +377,7 @@ def build_bundle(
         if pins:
             log.info(f"downloading {len(pins)} wheels: {' '.join(sorted(pins))}")
             args = ["download", "--no-deps", "-q", "-d", str(out), *target.pip_target_args(), *sorted(pins)]
-            pip(args, f"downloading wheels for python {target.python_version} / {' '.join(target.platforms)}")
+            pip(args, f"downloading for python {target.python_version} / {' '.join(target.platforms)}")
 
     files = []
     for whl in sorted(out.glob("*.whl")):
@@ -441,7 +419,11 @@ def build_bundle(
         "implementation": target.implementation,
         "platforms": target.platforms,
         "target_has": {k: v for k, v in sorted(target.have.items())},
-        "upgraded": upgraded,
+        "upgraded": sorted(
+            f"{f['name']} {target.have[f['name']]} -> {f['version']}"
+            for f in files
+            if f["name"] in target.have
+        ),
         "install": f"pip install --no-index --find-links {out} '{proj_name}{extra_s}'",
         "total_bytes": sum(f["size"] for f in files),
         "files": files,
