@@ -26,7 +26,8 @@ Three implementations of the element-wise work, same maths:
 
 - ``"cpu"``: C++ kernels (``training/csrc/lans_cpu.cpp``), one call per phase over all fragments of a group;
   the moment update and the sums of squares of r', c', w share one pass, and the update of w recomputes r'
-  and c' rather than storing them: 12 memory passes per step against AdamW-foreach's ~20.
+  and c' rather than storing them: 12 memory passes per step against AdamW-foreach's ~20. They take fp32 or
+  bf16 gradients; fragments with other gradients (float64, fp16) go through the foreach ops instead.
 - ``"fused"``: three ``torch.compile``-d kernels per fragment (moments; sums of squares; update) for
   fragments of 64k elements or more, the foreach ops for the rest: 15 passes. The accelerator path.
 - ``"foreach"``: eager ``torch._foreach_*`` ops over the fragment lists; needs no compiler.
@@ -34,9 +35,15 @@ Three implementations of the element-wise work, same maths:
 ``impl="auto"`` takes ``cpu`` for CPU tensors and ``fused`` elsewhere, and falls back (with a warning) to
 ``fused`` / ``foreach`` when a build fails.
 
-Precision: state (m, v) is always fp32. A parameter that is not fp32 (bf16 outside DeepSpeed) gets an fp32
-master copy in the state; the update is applied to the master in fp32 and the master is cast (round to
-nearest) into the parameter. Under DeepSpeed the parameters the optimizer sees are already fp32 masters.
+Precision: state (m, v) is always fp32. A parameter that is not fp32 (bf16 outside DeepSpeed; also fp16 and
+float64) gets an fp32 master copy in the state; the update is applied to the master in fp32 and the master is
+cast (round to nearest) into the parameter. Under DeepSpeed the parameters the optimizer sees are already fp32
+masters. On CPU every norm is accumulated in float64 in all three implementations (error bound:
+``sum_of_squares``).
+
+``trust_no_decay=False`` gives parameter groups with weight decay 0 (biases, LayerNorm) trust ratio 1 in
+both LANS terms: w <- w - lr b1 r - lr (1-b1) c (LAMB: w <- w - lr r), as NVIDIA's FusedLAMB does
+(``use_nvlamb=False``). The default (True) applies the ratio to every tensor, as in the papers.
 """
 
 from __future__ import annotations
@@ -44,13 +51,12 @@ from __future__ import annotations
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from common.errors import UserError
+from training.zero_map import GroupLayout, allreduce_sums, build_layouts
 
 NO_DECAY_MARKERS = ("bias", "LayerNorm", "layer_norm", "norm")
 IMPLS = ("auto", "cpu", "fused", "foreach")
@@ -77,48 +83,21 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-@dataclass
-class GroupLayout:
-    """Where the tensors of one parameter group lie in the flat tensor the optimizer sees (ZeRO).
-
-    ``starts``/``numels`` are fragment addresses in the flat local partition, ``tensor_index`` the index of
-    the original tensor each fragment belongs to (same numbering on every rank), ``num_tensors`` the number
-    of original tensors in the group, ``process_group`` the data-parallel group the per-tensor sums are
-    all-reduced over.
-    """
-
-    starts: list[int]
-    numels: list[int]
-    tensor_index: list[int]
-    num_tensors: int
-    partition_numel: int
-    tensor_numels: list[int]
-    process_group: Any = None
-
-
-def allreduce_sums(sums: torch.Tensor, pg: Any) -> torch.Tensor:
-    """Sum a small vector over the data-parallel group (on the accelerator when the backend is NCCL)."""
-    if pg is None or not (dist.is_available() and dist.is_initialized()):
-        return sums
-    if sums.device.type == "cpu" and dist.get_backend(pg) == "nccl":
-        on_dev = sums.to(f"cuda:{torch.cuda.current_device()}")
-        dist.all_reduce(on_dev, op=dist.ReduceOp.SUM, group=pg)
-        return on_dev.to(sums.device)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=pg)
-    return sums
-
-
 _DOT_CHUNK = 1 << 16
 
 
 def sum_of_squares(xs: list[torch.Tensor]) -> torch.Tensor:
     """Per-tensor sums of squares of 1-D contiguous tensors, float64 on the tensors' device.
 
-    On CPU (the foreach and torch.compile paths; the C++ path has its own): BLAS dot products over chunks of
-    64k elements, added in float64: close to the speed of one read of the data, and within ~1e-6 relative
-    (~1e-8 on typical fp32 data; MKL's fp32 dot over 4M elements drifts by 3e-6 to 4e-5). torch's CPU
-    ``vector_norm`` / ``_foreach_norm`` in fp32 are 3-4x slower and off by 2.5e-3 relative on a
-    23M-element tensor, BERT's word embedding.
+    On CPU (the foreach and torch.compile paths, and tensors the C++ kernels do not take): every chunk of 64k
+    elements is converted to float64 and fed to BLAS ``ddot``; the chunk sums are added in float64. The
+    square of an fp32 / bf16 / fp16 value is exact in float64, and all terms are >= 0, so whatever order
+    and vector width the BLAS build adds them in (AVX-512, AVX2 and SSE kernels differ), the relative error
+    of a tensor of n elements is at most gamma_n = n u / (1 - n u), u = 2^-53 (Higham, *Accuracy and
+    Stability of Numerical Algorithms*, 2nd ed., section 4.2; the bound also covers float64 inputs, whose
+    squares round once): 3.5e-9 for BERT-Large's 31M-element word embedding. It runs at the speed of one
+    read of the data (memory-bound: as fast as fp32 ``sdot`` on a 23M-element tensor). Sums in fp32 (BLAS
+    ``sdot``, torch's ``vector_norm``) are off by 1e-6 to 1e-3, by amounts that depend on the CPU's ISA.
     """
     if not xs:
         return torch.zeros(0, dtype=torch.float64)
@@ -129,8 +108,8 @@ def sum_of_squares(xs: list[torch.Tensor]) -> torch.Tensor:
         return norms * norms
     dots, owner = [], []
     for k, x in enumerate(xs):
-        xf = x if x.dtype == torch.float32 else x.float()
-        for chunk in xf.split(_DOT_CHUNK) if xf.numel() > _DOT_CHUNK else (xf,):
+        for chunk in x.split(_DOT_CHUNK) if x.numel() > _DOT_CHUNK else (x,):
+            chunk = chunk if chunk.dtype == torch.float64 else chunk.to(torch.float64)
             dots.append(torch.dot(chunk, chunk))
             owner.append(k)
     out = torch.zeros(len(xs), dtype=torch.float64, device=xs[0].device)
@@ -158,19 +137,21 @@ def _moments_kernel(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch
 def _lans_sumsq_kernel(
     g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor
 ) -> torch.Tensor:
-    """Partial sums of squares of r', c' and w over the fragment (after the moment update)."""
+    """Partial sums of squares of r', c' and w over the fragment (after the moment update), float64."""
     gt = g.float() * sc[0]
     b = v.sqrt() + sc[4]
-    r = m / b + sc[5] * w
-    c = gt / b + sc[6] * w
-    return torch.stack([(r * r).sum(), (c * c).sum(), (w * w).sum()])
+    r = (m / b + sc[5] * w).double()
+    c = (gt / b + sc[6] * w).double()
+    wd = w.double()
+    return torch.stack([(r * r).sum(), (c * c).sum(), (wd * wd).sum()])
 
 
 def _lamb_sumsq_kernel(
     g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor
 ) -> torch.Tensor:
-    u = m / (v.sqrt() + sc[4]) + sc[5] * w
-    return torch.stack([(u * u).sum(), torch.zeros((), dtype=u.dtype, device=u.device), (w * w).sum()])
+    u = (m / (v.sqrt() + sc[4]) + sc[5] * w).double()
+    wd = w.double()
+    return torch.stack([(u * u).sum(), torch.zeros((), dtype=u.dtype, device=u.device), (wd * wd).sum()])
 
 
 def _lans_update_kernel(
@@ -216,6 +197,16 @@ def _compiled(name: str) -> Callable:
 
 
 _CPU_EXT: list = []  # [module or None] once tried
+
+
+def _cpu_takes(g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the C++ kernels accept this fragment (their checks, in lans_cpu.cpp's check_group)."""
+    return (
+        g.device.type == "cpu"
+        and g.dtype in (torch.float32, torch.bfloat16)
+        and g.is_contiguous()
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (w, m, v))
+    )
 
 
 def _cpu_kernels(required: bool = False) -> Any:
@@ -331,6 +322,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         weight_decay: float = 0.01,
         *,
         impl: str = "auto",
+        trust_no_decay: bool = True,
     ) -> None:
         if lr < 0:
             raise UserError(f"optimizer lr must be >= 0 (got {lr})")
@@ -345,6 +337,8 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.impl = impl
+        # False: parameter groups with weight_decay 0 get trust ratio 1 (NVIDIA FusedLAMB's default).
+        self.trust_no_decay = bool(trust_no_decay)
         # id(flat partition tensor) -> layout; filled by attach_zero(); absent = "each tensor is whole".
         self._layouts: dict[int, GroupLayout] = {}
         self.comm_seconds = 0.0  # wall time spent in the per-tensor norm all-reduces (benchmarks read it)
@@ -480,24 +474,40 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         impl = self._resolve_impl(device)
         seg = torch.tensor(tensor_index, dtype=torch.long, device=device)
         nfrag = len(ws)
-        # Fragments for the compiled kernels (large ones) and for the eager foreach ops (the rest: biases,
-        # norms, ZeRO boundary slivers), where a compiled call's fixed cost (~40 us on CPU) would dominate.
+        # Fragments for the C++ kernels ("native"; impl "cpu"), the compiled kernels ("big": large ones;
+        # impl "fused") and the eager foreach ops ("small": the rest). For "fused" the rest are biases, norms
+        # and ZeRO boundary slivers, where a compiled call's fixed cost (~40 us on CPU) would dominate; for
+        # "cpu" they are the tensors the C++ kernels do not take (gradients other than fp32 / bf16: float64,
+        # fp16), which take the eager path silently, with the same maths.
+        native: list[int] = []
+        big: list[int] = []
         if impl == "fused":
             big = [i for i in range(nfrag) if ws[i].numel() >= self.fused_min_numel]
             small = [i for i in range(nfrag) if ws[i].numel() < self.fused_min_numel]
         elif impl == "cpu":
-            big, small = [], []
+            takes = [_cpu_takes(gs[i], ws[i], ms[i], vs[i]) for i in range(nfrag)]
+            native = [i for i in range(nfrag) if takes[i]]
+            small = [i for i in range(nfrag) if not takes[i]]
         else:
-            big, small = [], list(range(nfrag))
+            small = list(range(nfrag))
 
-        cpu = _cpu_kernels(required=True) if impl == "cpu" else None
+        cpu = _cpu_kernels(required=True) if native else None
+        if cpu is not None:
+            nat_g, nat_w = [gs[i] for i in native], [ws[i] for i in native]
+            nat_m, nat_v = [ms[i] for i in native], [vs[i] for i in native]
 
         # Phase 1 (LANS only): ||g||^2 per tensor, all-reduced -- the normalisation must precede the moments.
         g_norm = None
         if lans:
             gsq = torch.zeros(num_tensors, dtype=torch.float64, device=device)
             if nfrag:
-                gsq.index_add_(0, seg, cpu.sum_of_squares(gs) if cpu else sum_of_squares(gs))
+                fsq = torch.zeros(nfrag, dtype=torch.float64, device=device)
+                if cpu is not None:
+                    fsq[native] = cpu.sum_of_squares(nat_g)
+                rest = big + small
+                if rest:
+                    fsq[rest] = sum_of_squares([gs[i] for i in rest])
+                gsq.index_add_(0, seg, fsq)
             g_norm = self._allreduce(gsq, pg).sqrt()
 
         # Per-fragment scalars.
@@ -527,8 +537,8 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         # Phase 2: moments; partial ||r'||^2, ||c'||^2, ||w||^2 per fragment; one all-reduce (LAMB's only).
         uq = torch.zeros((3, num_tensors), dtype=torch.float64, device=device)
         parts = torch.zeros((nfrag, 3), dtype=torch.float64, device=device)
-        if cpu is not None and nfrag:
-            parts = cpu.moments_sumsq(gs, ws, ms, vs, sc)
+        if cpu is not None:
+            parts[native] = cpu.moments_sumsq(nat_g, nat_w, nat_m, nat_v, sc[native])
         if big:
             for gdt in {gs[i].dtype for i in big}:
                 _warm_fused(device, gdt)
@@ -553,8 +563,11 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         r_norm, c_norm, w_norm = uq[0].sqrt(), uq[1].sqrt(), uq[2].sqrt()
 
         # Trust ratios: ||w||/||r|| applied to r' (the k factor cancels); ratio 1 -> explicit factor k.
+        # trust_no_decay=False: ratio 1 throughout a group without weight decay (NVIDIA FusedLAMB).
         if nfrag:
             wn_f, rn_f, cn_f = w_norm[seg], r_norm[seg], c_norm[seg]
+            if not self.trust_no_decay and wd == 0:
+                wn_f = torch.zeros_like(wn_f)
             coef_r = torch.where((wn_f > 0) & (rn_f > 0), wn_f / rn_f.clamp_min(1e-300), k_r)
             coef_c = torch.where((wn_f > 0) & (cn_f > 0), wn_f / cn_f.clamp_min(1e-300), k_c)
             if lans:
@@ -564,7 +577,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
             a = a.to(torch.float32)
             # Phase 3: update w (the compiled kernels recompute r', c'; the foreach path kept them).
             if cpu is not None:
-                cpu.update(gs, ws, ms, vs, sc, a)
+                cpu.update(nat_g, nat_w, nat_m, nat_v, sc[native], a[native])
             if big:
                 kern = _compiled("lans_update" if lans else "lamb_update")
                 rows, arows = sc.unbind(0), a.unbind(0)
@@ -640,13 +653,19 @@ def build_optimizer(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-6,
     weight_decay: float = 0.01,
+    trust_no_decay: bool = True,
 ) -> torch.optim.Optimizer:
-    """The optimizer named in the run config: ``lans`` | ``lamb`` | ``adamw`` (torch AdamW, foreach)."""
+    """The optimizer named in the run config: ``lans`` | ``lamb`` | ``adamw`` (torch AdamW, foreach).
+
+    ``trust_no_decay`` (``optimizer.trust_no_decay``): LANS/LAMB apply the trust ratio to parameter groups
+    without weight decay too; False gives them ratio 1, as NVIDIA's FusedLAMB does. AdamW has no trust ratio.
+    """
     key = name.lower()
-    if key == "lans":
-        return LANS(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    if key == "lamb":
-        return LAMB(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if key in ("lans", "lamb"):
+        cls = LANS if key == "lans" else LAMB
+        return cls(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, trust_no_decay=trust_no_decay
+        )
     if key == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=True)
     raise UserError(f"optimizer.name must be one of lans, lamb, adamw (got {name!r})")
@@ -658,8 +677,6 @@ def attach_zero(engine: Any) -> None:
     Also call it again after ``engine.load_checkpoint`` (cheap; the layout is rebuilt from DeepSpeed's links).
     Raises RuntimeError for a DeepSpeed path whose partitioning is not covered (ZeRO-3).
     """
-    from training.zero_map import build_layouts
-
     opt = getattr(engine, "basic_optimizer", None)
     if not isinstance(opt, _LayerwiseAdaptive):
         return  # AdamW or another element-wise optimizer: partitioning does not change its result

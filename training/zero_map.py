@@ -10,16 +10,49 @@ group's model parameters) is the same on every rank.
 
 Plain fp32 (no ZeRO) and bf16 at stage 0 (``FP16_UnfusedOptimizer``: one fp32 copy per tensor) show the
 optimizer real tensors, so no layout is needed. ZeRO-3 and the fused fp16 optimizer are refused.
+
+This module knows nothing of the optimizers (``training/lans.py`` imports it, never the reverse): it holds
+the layout type and the all-reduce of per-tensor sums that both sides use.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from training.lans import GroupLayout, allreduce_sums
+
+@dataclass
+class GroupLayout:
+    """Where the tensors of one parameter group lie in the flat tensor the optimizer sees (ZeRO).
+
+    ``starts``/``numels`` are fragment addresses in the flat local partition, ``tensor_index`` the index of
+    the original tensor each fragment belongs to (same numbering on every rank), ``num_tensors`` the number
+    of original tensors in the group, ``process_group`` the data-parallel group the per-tensor sums are
+    all-reduced over.
+    """
+
+    starts: list[int]
+    numels: list[int]
+    tensor_index: list[int]
+    num_tensors: int
+    partition_numel: int
+    tensor_numels: list[int]
+    process_group: Any = None
+
+
+def allreduce_sums(sums: torch.Tensor, pg: Any) -> torch.Tensor:
+    """Sum a small vector over the data-parallel group (on the accelerator when the backend is NCCL)."""
+    if pg is None or not (dist.is_available() and dist.is_initialized()):
+        return sums
+    if sums.device.type == "cpu" and dist.get_backend(pg) == "nccl":
+        on_dev = sums.to(f"cuda:{torch.cuda.current_device()}")
+        dist.all_reduce(on_dev, op=dist.ReduceOp.SUM, group=pg)
+        return on_dev.to(sums.device)
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=pg)
+    return sums
 
 
 def _zero_groups(zopt: Any) -> tuple[list, list, list] | None:
