@@ -294,28 +294,56 @@ def stand_in_site(target: Target, scratch: Path) -> Path:
     return site
 
 
-def resolve(target: Target, roots: list[str], scratch: Path) -> list[dict]:
+def resolve(target: Target, roots: list[str], scratch: Path, offline_from: Path | None = None) -> list[dict]:
     """What pip would install on the target for ``roots`` (metadata only): the entries of its install report.
 
     pip runs as ``python -S`` (no site-packages of this environment) with only itself and the stand-in site on
-    its path, so "already installed" means "the target has it".
+    its path, so "already installed" means "the target has it". With ``offline_from``, pip sees nothing but that
+    folder (``--no-index --find-links``, no configuration file, no PIP_* variable), as on the target.
     """
     import pip as _pip
 
-    pip_root = scratch / "pip-root"
-    pip_root.mkdir()
+    work = scratch / ("verify" if offline_from else "resolve")
+    pip_root = work / "pip-root"
+    pip_root.mkdir(parents=True)
     (pip_root / "pip").symlink_to(Path(_pip.__file__).resolve().parent, target_is_directory=True)
-    site = stand_in_site(target, scratch)
+    site = stand_in_site(target, work)
     env = dict(os.environ, PYTHONPATH=f"{pip_root}{os.pathsep}{site}", PYTHONNOUSERSITE="1")
-    report = scratch / "report.json"
-    args = ["install", "--dry-run", "-q", "--report", str(report), *target.pip_target_args(), *roots]
-    pip(
-        args,
-        f"resolving for python {target.python_version} / {' '.join(target.platforms)}",
-        env=env,
-        isolated=True,
-    )
-    return json.loads(report.read_text())["install"]
+    args = ["install", "--dry-run", "-q", "--report", str(work / "report.json"), *target.pip_target_args()]
+    what = f"resolving for python {target.python_version} / {' '.join(target.platforms)}"
+    if offline_from is not None:
+        env = {k: v for k, v in env.items() if not k.startswith("PIP_")}
+        env["PIP_CONFIG_FILE"] = os.devnull
+        args += ["--no-index", "--find-links", str(offline_from)]
+        what = f"checking that {offline_from} installs offline"
+    pip([*args, *roots], what, env=env, isolated=True)
+    return json.loads((work / "report.json").read_text())["install"]
+
+
+def download_build_backend(project: Path, target: Target, out: Path, scratch: Path) -> set[str]:
+    """Wheels of the project's [build-system] requires, so ``pip install -e .`` works offline on the target
+    (pip's build isolation installs them from the bundle). Returns their canonical names."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        raise UserError(
+            "--build-backend reads pyproject.toml with tomllib: run with Python >= 3.11"
+        ) from None
+    path = project / "pyproject.toml"
+    try:
+        requires = tomllib.loads(path.read_text(encoding="utf-8"))["build-system"]["requires"]
+    except (tomllib.TOMLDecodeError, KeyError, TypeError) as e:
+        raise UserError(f"{path}: no readable [build-system] requires ({e})") from None
+    dest = scratch / "build-backend"
+    args = ["download", "-q", "-d", str(dest), *target.pip_target_args(), *requires]
+    log.info(f"downloading the build backend: {' '.join(requires)}")
+    pip(args, f"{path}: downloading the build backend {' '.join(requires)}")
+    names = set()
+    for whl in dest.glob("*.whl"):
+        names.add(canonicalize_name(str(wheel_metadata(whl)["name"])))
+        if not (out / whl.name).exists():
+            shutil.copy2(whl, out / whl.name)
+    return names
 
 
 def build_bundle(
@@ -325,6 +353,7 @@ def build_bundle(
     sample: bool = False,
     project: Path = PROJECT_ROOT,
     deepspeed: str | None = None,
+    build_backend: bool = False,
 ) -> dict:
     """Write the bundle into ``out`` (created; must be absent, empty or a previous bundle) and return the manifest."""
     out.mkdir(parents=True, exist_ok=True)
@@ -378,12 +407,20 @@ def build_bundle(
             log.info(f"downloading {len(pins)} wheels: {' '.join(sorted(pins))}")
             args = ["download", "--no-deps", "-q", "-d", str(out), *target.pip_target_args(), *sorted(pins)]
             pip(args, f"downloading for python {target.python_version} / {' '.join(target.platforms)}")
+        backend: set[str] = set()
+        if build_backend:
+            backend = download_build_backend(project, target, out, scratch)
+        # The proof: pip, seeing only the bundle and the target's packages, installs the project.
+        check = resolve(target, [f"{proj_name}{extra_s}"], scratch, offline_from=out)
+        log.info(f"checked: pip --no-index --find-links {out} installs {len(check)} packages on the target")
 
     files = []
     for whl in sorted(out.glob("*.whl")):
         m = wheel_metadata(whl)
         name = canonicalize_name(str(m["name"]))
         source = "built" if name in local else "index"
+        if name in backend and name not in {canonicalize_name(e["metadata"]["name"]) for e in wanted}:
+            source = "build-backend"
         files.append(
             {
                 "file": whl.name,
@@ -469,6 +506,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--sample", action="store_true", help="also carry the enwiki sample dump (sample/*.bz2)"
     )
     parser.add_argument(
+        "--build-backend",
+        action="store_true",
+        help="also carry the build backend (setuptools), so `pip install -e .` of a checkout works offline",
+    )
+    parser.add_argument(
         "--project", default=str(PROJECT_ROOT), help="source checkout to build (default: this one)"
     )
 
@@ -506,7 +548,13 @@ def run(args: argparse.Namespace) -> int:
     )
     extras = [x.strip() for x in args.extras.split(",") if x.strip()]
     m = build_bundle(
-        out, target, extras, sample=args.sample, project=Path(args.project), deepspeed=args.deepspeed
+        out,
+        target,
+        extras,
+        sample=args.sample,
+        project=Path(args.project),
+        deepspeed=args.deepspeed,
+        build_backend=args.build_backend,
     )
     width = max((len(f["file"]) for f in m["files"]), default=10)
     for f in m["files"]:

@@ -126,6 +126,27 @@ def test_unknown_extra_is_one_line(tmp_path):
     assert "wandb" in line and "datasets" in line
 
 
+@pytest.mark.slow
+def test_requirement_without_a_wheel_is_one_line(tmp_path):
+    """No pyyaml wheel for RISC-V on the index (and sdists are not bundled): one line naming it."""
+    have = [
+        "--have",
+        "torch",
+        "--have",
+        "numpy",
+        "--have",
+        "h5py",
+        "--have",
+        "transformers",
+        "--have",
+        "tokenizers",
+    ]
+    res = bundle_cli("--out", str(tmp_path / "b"), "--platform", "manylinux_2_28_riscv64", *have)
+    line = one_line_error(res)
+    assert "pyyaml>=6.0 has no wheel for this target on the package index (sdists cannot be bundled)" in line
+    assert not list((tmp_path / "b").glob("*"))
+
+
 # --------------------------------------------------------------------------- build, offline install, CPU run
 
 
@@ -166,9 +187,12 @@ def bundle(tmp_path_factory) -> Path:
     assert len(kept) < len(freeze) and any(ln.startswith("torch==") for ln in kept)
     (root / "freeze.txt").write_text("\n".join(kept) + "\n")
     out = root / "wheels"
-    res = bundle_cli("--out", str(out), "--target-freeze", str(root / "freeze.txt"), "--sample")
+    res = bundle_cli(
+        "--out", str(out), "--target-freeze", str(root / "freeze.txt"), "--sample", "--build-backend"
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "pip install --no-index --find-links" in res.stdout
+    assert f"checked: pip --no-index --find-links {out} installs" in res.stderr
     return out
 
 
@@ -176,7 +200,8 @@ def bundle(tmp_path_factory) -> Path:
 def test_bundle_holds_what_the_target_lacks(bundle):
     manifest = json.loads((bundle / MANIFEST).read_text())
     names = {f["name"]: f for f in manifest["files"]}
-    assert set(names) == {"wikipretrain", *MISSING, "enwiki-sample"}, sorted(names)
+    assert set(names) == {"wikipretrain", *MISSING, "enwiki-sample", "setuptools"}, sorted(names)
+    assert names["setuptools"]["source"] == "build-backend"
     assert names["wikipretrain"]["source"] == "built" and names["deepspeed"]["source"] == "built"
     assert names["deepspeed"]["file"].endswith("-py3-none-any.whl")
     assert names["deepspeed"]["version"] == distribution("deepspeed").version.split("+")[0]
