@@ -8,12 +8,16 @@ NVIDIA's reference does, instead of over every position as ``BertForPreTraining`
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import BertConfig, BertForPreTraining, MegatronBertConfig, MegatronBertForPreTraining
 from transformers.models.megatron_bert import modeling_megatron_bert as megatron
 
+from common.errors import UserError
 from model.registry import BertSpec
 
 
@@ -125,3 +129,31 @@ class BertPretraining(nn.Module):
             "nsp_correct": nsp_correct,
             "nsp_count": torch.tensor(float(nsp_logits.size(0))),
         }
+
+
+def save_hf_tokenizer(vocab: Path, out: Path, spec: BertSpec, lowercase: bool) -> dict[str, int]:
+    """Write the tokenizer the shards were made with as Hugging Face files; return its special-token ids.
+
+    ``tokenizer.json`` holds the very ``tokenizers`` pipeline of ``data.tokenize_text.bert_tokenizer``
+    (BERT normalizer with the shards' casing, WordPiece over ``vocab``), so ``AutoTokenizer`` gives the
+    training ids; ``vocab.txt`` is copied beside it for readers that want the plain vocabulary.
+    """
+    from transformers import BertTokenizerFast
+
+    from data.tokenize_text import bert_tokenizer, check_bert_vocab
+
+    words = check_bert_vocab(vocab)  # one line naming the file when it is not a BERT vocab.txt
+    if len(words) > spec.padded_vocab:
+        raise UserError(
+            f"{vocab}: {len(words)} tokens do not fit {spec.name}'s {spec.padded_vocab} embedding rows"
+        )
+    tok = BertTokenizerFast(
+        tokenizer_object=bert_tokenizer(vocab, lowercase),
+        do_lower_case=lowercase,
+        strip_accents=lowercase,
+        tokenize_chinese_chars=True,
+        model_max_length=spec.max_positions,
+    )
+    tok.save_pretrained(str(out))
+    shutil.copyfile(vocab, Path(out) / "vocab.txt")
+    return {"pad_token_id": tok.pad_token_id}

@@ -9,7 +9,7 @@ from torch import nn
 
 from model.bert import BertPretraining
 from model.neox import NeoxPretraining
-from model.registry import REGISTRY, ModelSpec, get_spec
+from model.registry import REGISTRY, ModelSpec, family_of, get_spec
 
 PretrainingModel = BertPretraining | NeoxPretraining
 
@@ -25,9 +25,7 @@ def build_model(
     if isinstance(spec, str):
         spec = get_spec(spec)
     with torch.device(device):
-        model: PretrainingModel = (BertPretraining if spec.family == "bert" else NeoxPretraining)(
-            spec, attention
-        )
+        model: PretrainingModel = family_of(spec).build(spec, attention)
     if activation_checkpointing:
         # Non-reentrant checkpointing: works with ZeRO-3 parameter gathering and with frozen inputs.
         model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,4 +1,9 @@
-"""Named model sizes: one typed spec per family, one registry of names.
+"""Model families and named model sizes: one typed spec and one ``Family`` record per family, one registry.
+
+Everything that differs between families (which spec and model class, which shard format and vocabulary
+hash, how the output heads count in FLOPs, which eval metrics, how the tokenizer is exported) lives in its
+``Family`` record: code elsewhere asks ``family_of(spec)`` instead of comparing family names, so a third
+family is one more spec class, model module and record in ``FAMILIES``.
 
 Sizes follow the published shapes: BERT base/large (Devlin et al.), the pre-LayerNorm BERT 1.5B/5B shapes of
 the Gaudi DeepSpeed BERT recipes, and GPT-NeoX's own configs (``configs/125M.yml`` ... ``20B.yml``).
@@ -7,9 +12,15 @@ the Gaudi DeepSpeed BERT recipes, and GPT-NeoX's own configs (``configs/125M.yml
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from common.errors import UserError
+
+if TYPE_CHECKING:
+    from torch import nn
 
 BERT_VOCAB = 30522  # BERT uncased WordPiece vocabulary
 NEOX_VOCAB = 50432  # GPT-NeoX-20B's padded vocabulary (50277 tokens + padding)
@@ -133,6 +144,138 @@ def spec_to_dict(spec: ModelSpec) -> dict:
 
 
 def spec_from_dict(d: dict) -> ModelSpec:
-    """Rebuild a spec stored in a checkpoint or summary."""
-    cls = {"bert": BertSpec, "neox": NeoxSpec}[d["family"]]
-    return cls(**d)
+    """Rebuild a spec stored in a checkpoint or summary (the derived ``padded_vocab`` is ignored)."""
+    try:
+        family = FAMILIES[d["family"]]
+    except KeyError:
+        raise UserError(
+            f"model spec has family {d.get('family')!r}; known families: {', '.join(FAMILIES)}"
+        ) from None
+    fields = {f.name for f in dataclasses.fields(family.spec_class)}
+    derived = {"padded_vocab"}
+    unknown = sorted(set(d) - fields - derived)
+    if unknown:
+        raise UserError(f"model spec {d.get('name')!r} has unknown field(s) {', '.join(unknown)}")
+    try:
+        return family.spec_class(**{k: v for k, v in d.items() if k in fields})
+    except (TypeError, ValueError) as e:
+        raise UserError(f"model spec {d.get('name')!r}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------- families
+# Builders and tokenizer writers import their module on call: the family modules import this one (for the
+# spec classes), and listing sizes or reading a spec must not load ``transformers``.
+
+
+def _build_bert(spec: BertSpec, attention: str) -> nn.Module:
+    from model.bert import BertPretraining
+
+    return BertPretraining(spec, attention)
+
+
+def _build_neox(spec: NeoxSpec, attention: str) -> nn.Module:
+    from model.neox import NeoxPretraining
+
+    return NeoxPretraining(spec, attention)
+
+
+def _save_bert_tokenizer(
+    vocab: Path, out: Path, spec: BertSpec, data_attrs: dict[str, Any]
+) -> dict[str, int]:
+    from model.bert import save_hf_tokenizer
+
+    return save_hf_tokenizer(vocab, out, spec, lowercase=bool(data_attrs.get("lowercase", True)))
+
+
+def _save_neox_tokenizer(
+    tokenizer: Path, out: Path, spec: NeoxSpec, data_attrs: dict[str, Any]
+) -> dict[str, int]:
+    from model.neox import save_hf_tokenizer
+
+    return save_hf_tokenizer(tokenizer, out, spec, eod_id=data_attrs.get("eod_id"))
+
+
+def _mlm_head_weights_per_token(pred_head: int, seq_head: int, seq_len: int, max_pred: int | None) -> float:
+    """BERT: the MLM head runs at ``max_pred`` gathered positions, pooler + NSP once per sequence."""
+    if max_pred is None:
+        raise ValueError("BERT FLOPs need max_pred (MLM predictions per sequence)")
+    return (pred_head * max_pred + seq_head) / seq_len
+
+
+def _lm_head_weights_per_token(pred_head: int, seq_head: int, seq_len: int, max_pred: int | None) -> float:
+    """Causal LM: the LM head runs at every position (per-sequence heads, if any, once per sequence)."""
+    return pred_head + seq_head / seq_len
+
+
+HeadRule = Callable[[int, int, int, "int | None"], float]
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between model families, in one record."""
+
+    name: str
+    """The value of ``spec.family``; stored in checkpoints and summaries."""
+    spec_class: type
+    """The spec dataclass of the family's sizes."""
+    build: Callable[[Any, str], nn.Module]
+    """(spec, attention implementation) -> the pre-training model, on the current default device."""
+    shard_kind: str
+    """The data layer's name of the shard format the family trains on (``data.h5format.SCHEMAS``)."""
+    hash_key: str
+    """Shard attribute holding the sha256 of the vocabulary / tokenizer file the shards were made with."""
+    tokenizer_file: str
+    """What the tokenizer file is (for messages): ``vocab.txt`` or ``tokenizer.json``."""
+    uses_max_pred: bool
+    """Shards and FLOPs depend on ``data.max_pred`` (MLM predictions per sequence)."""
+    head_weights_per_token: HeadRule
+    """(per-position head weights, a tied decoder included; per-sequence head weights; seq_len; max_pred)
+    -> head weights a token is multiplied by, on average (``model.flops`` convention)."""
+    eval_metrics: tuple[str, ...]
+    """Keys ``Trainer.evaluate`` reports for the family."""
+    save_tokenizer: Callable[[Path, Path, Any, dict[str, Any]], dict[str, int]]
+    """(tokenizer file used in training, output dir, spec, shard attributes): write Hugging Face tokenizer
+    files that give the training ids; return special-token ids for the model config (``eos_token_id``...)."""
+    hf_auto_class: str
+    """The ``transformers`` auto class an exported directory loads with."""
+
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            name="bert",
+            spec_class=BertSpec,
+            build=_build_bert,
+            shard_kind="bert",
+            hash_key="vocab_sha256",
+            tokenizer_file="vocab.txt",
+            uses_max_pred=True,
+            head_weights_per_token=_mlm_head_weights_per_token,
+            eval_metrics=("eval_loss", "eval_mlm_accuracy", "eval_nsp_accuracy"),
+            save_tokenizer=_save_bert_tokenizer,
+            hf_auto_class="AutoModelForPreTraining",
+        ),
+        Family(
+            name="neox",
+            spec_class=NeoxSpec,
+            build=_build_neox,
+            shard_kind="gpt",
+            hash_key="tokenizer_sha256",
+            tokenizer_file="tokenizer.json",
+            uses_max_pred=False,
+            head_weights_per_token=_lm_head_weights_per_token,
+            eval_metrics=("eval_loss", "eval_perplexity"),
+            save_tokenizer=_save_neox_tokenizer,
+            hf_auto_class="AutoModelForCausalLM",
+        ),
+    )
+}
+
+
+def family_of(spec: ModelSpec) -> Family:
+    """The family record of a spec."""
+    try:
+        return FAMILIES[spec.family]
+    except KeyError:
+        raise UserError(f"model {spec.name!r} has unknown family {spec.family!r}") from None
