@@ -1,4 +1,4 @@
-"""``python -m model list [--json]`` and ``python -m model export CKPT --out DIR``."""
+"""``python -m model list [--json]``: the named sizes. (Export: ``python -m training export``.)"""
 
 from __future__ import annotations
 
@@ -32,33 +32,15 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_export(args: argparse.Namespace) -> int:
-    from model.export import export_checkpoint
-
-    out = export_checkpoint(
-        args.checkpoint, args.out, tag=args.tag, tokenizer=args.tokenizer, overwrite=args.overwrite
-    )
-    print(f"exported {args.checkpoint} -> {out}")
-    return 0
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m model", description="Model registry and export.")
+    parser = argparse.ArgumentParser(
+        prog="python -m model",
+        description="Model registry. Export a checkpoint with `python -m training export`.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("list", help="named sizes with parameter counts (meta device)")
     p.add_argument("--json", action="store_true", help="print a JSON list of objects")
     p.set_defaults(func=cmd_list)
-    p = sub.add_parser(
-        "export", help="consolidate a DeepSpeed checkpoint into a Hugging Face model directory"
-    )
-    p.add_argument("checkpoint", help="checkpoint directory (the run's checkpoint dir, or one tag inside it)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--tag", default=None, help="checkpoint tag (default: the latest complete one)")
-    p.add_argument(
-        "--tokenizer", default=None, help="vocab.txt / tokenizer.json (default: the one the run used)"
-    )
-    p.add_argument("--overwrite", action="store_true")
-    p.set_defaults(func=cmd_export)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -1,0 +1,273 @@
+"""``python -m training export``: real DeepSpeed checkpoints -> Hugging Face directories that reproduce a run.
+
+The tokenizer an export writes must give the ids the shards were made with (the ``data`` layer's tokenizer on
+the same file); the weights must be the checkpoint's; the files must be readable by others (0644).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, SHARED_DATA, launcher, run_env
+
+pytestmark = pytest.mark.slow
+
+ACCENTED = "The Café in Zürich, opened in 1887 by Émile Brontë, serves 北京 dumplings; naïve résumé!"
+
+
+def _run(cmd: list[str], umask: int | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=None if umask is None else (lambda: os.umask(umask)),
+    )
+
+
+def _export(*args: str, umask: int | None = 0o022) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "training", "export", *args], umask=umask)
+
+
+def _sample_sentences(text_dir: Path, n: int = 3) -> list[str]:
+    """Real sentences from the enwiki sample: plain ASCII lines of at least 12 words."""
+    out = []
+    for shard in sorted(text_dir.glob("*.txt")):
+        for line in shard.read_text(encoding="utf-8").splitlines():
+            if line.isascii() and len(line.split()) >= 12:
+                out.append(line)
+                if len(out) == n:
+                    return out
+    raise AssertionError(f"no sentences in {text_dir}")
+
+
+def _modes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): stat.S_IMODE(p.stat().st_mode) for p in [root, *root.rglob("*")]}
+
+
+def _assert_readable(out: Path) -> None:
+    modes = _modes(out)
+    assert modes["."] == 0o755, oct(modes["."])
+    files = {k: v for k, v in modes.items() if k != "."}
+    assert "model.safetensors" in files
+    assert all(m == 0o644 for m in files.values()), {k: oct(v) for k, v in files.items()}
+
+
+def _assert_weights_are_the_checkpoints(ckpt_dir: Path, hf_model: torch.nn.Module) -> None:
+    """Exported FP32 weights round to the bf16 weights the run's module held, and are not themselves bf16."""
+    tag = (ckpt_dir / "latest").read_text().strip()
+    module = torch.load(ckpt_dir / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    exported = hf_model.state_dict()
+    finer = 0
+    for key, value in module["module"].items():
+        name = key.removeprefix("hf.")
+        assert value.dtype == torch.bfloat16 and exported[name].dtype == torch.float32, name
+        assert torch.equal(exported[name].to(torch.bfloat16), value), name
+        finer += not torch.equal(exported[name], value.float())
+    assert len(module["module"]) > 10 and finer > len(module["module"]) // 2  # FP32 masters, not bf16 copies
+
+
+def _train(run_dir: Path, ranks: int, *overrides: str) -> Path:
+    cmd = [*launcher(ranks), "train.py", "--config", "smoke", f"run.dir={run_dir}", "train.steps=2",
+           "train.eval_every=0", "checkpoint.every=0", "logging.every=1", *overrides]  # fmt: skip
+    res = _run(cmd, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return run_dir / "checkpoints"
+
+
+# ------------------------------------------------------------------------------------------------ BERT
+
+
+@pytest.fixture(scope="module")
+def bert_vocab(request) -> Path:
+    """The real bert-base-uncased vocab.txt when ../shared has it, else the WordPiece vocab of the sample."""
+    real = SHARED_DATA / "bert-base-uncased-vocab.txt"
+    return real if real.exists() else Path(request.getfixturevalue("wiki_vocab"))
+
+
+@pytest.fixture(scope="module")
+def bert_run(tmp_path_factory, wiki_text_dir, bert_vocab) -> dict[str, Path]:
+    """bert-debug trained 2 steps on 2 ranks (ZeRO-2) on shards of the sample made with ``bert_vocab``."""
+    root = tmp_path_factory.mktemp("bertexport")
+    shards = root / "shards"
+    res = _run([sys.executable, "-m", "data", "bert", "--text", str(wiki_text_dir), "--vocab",
+                str(bert_vocab), "--out", str(shards), "--seq-len", "128", "--max-pred", "20",
+                "--dupe-factor", "1", "--no-progress"])  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    ckpt = _train(root / "run", 2, f"data.train={shards}", f"data.eval={shards}", f"data.vocab={bert_vocab}",
+                  "train.global_batch=8", "train.micro_batch=2", "deepspeed.zero_stage=2")  # fmt: skip
+    return {"checkpoints": ckpt, "vocab": bert_vocab, "root": root}
+
+
+def test_bert_export_reproduces_training_tokenizer_and_weights(bert_run, wiki_text_dir):
+    from transformers import AutoModelForPreTraining, AutoTokenizer
+
+    from data.tokenize_text import bert_tokenizer
+
+    out = bert_run["root"] / "hf"
+    res = _export(str(bert_run["checkpoints"]), "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    _assert_readable(out)
+
+    vocab = bert_run["vocab"].read_text(encoding="utf-8").splitlines()
+    assert (out / "vocab.txt").read_bytes() == bert_run["vocab"].read_bytes()
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == len(vocab)
+    specials = (tok.pad_token_id, tok.unk_token_id, tok.cls_token_id, tok.sep_token_id, tok.mask_token_id)
+    assert specials == tuple(vocab.index(t) for t in ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"))
+    assert specials == (0, 100, 101, 102, 103)  # bert-base's layout, which data.vocab keeps
+    training = bert_tokenizer(bert_run["vocab"], lowercase=True)  # what data.bert wrote the shards with
+    for sentence in [*_sample_sentences(wiki_text_dir), ACCENTED]:
+        expected = training.encode(sentence, add_special_tokens=False).ids
+        assert tok(sentence)["input_ids"] == [101, *expected, 102], sentence
+    plain = _sample_sentences(wiki_text_dir)[0]
+    assert tok.unk_token_id not in tok(plain)["input_ids"]  # words are found, not [UNK]
+    assert tok(plain.upper())["input_ids"] == tok(plain)["input_ids"]  # uncased
+
+    model = AutoModelForPreTraining.from_pretrained(out).eval()
+    assert type(model).__name__ == "BertForPreTraining"
+    _assert_weights_are_the_checkpoints(bert_run["checkpoints"], model)
+    enc = tok(plain.replace(plain.split()[3], "[MASK]", 1), return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**enc).prediction_logits
+    assert logits.shape[-1] == model.config.vocab_size >= len(vocab) and torch.isfinite(logits).all()
+
+
+def test_export_refusals_and_overwrite(bert_run, tmp_path):
+    from common.errors import UserError
+    from training.export import export_checkpoint
+
+    ckpt, out = bert_run["checkpoints"], tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("someone's file\n")
+    busy = _export(str(ckpt), "--out", str(out))
+    assert busy.returncode == 2 and "Traceback" not in busy.stderr
+    last = busy.stderr.strip().splitlines()[-1]
+    assert last == f"error: output directory {out} is not empty (use --overwrite)"
+
+    other = tmp_path / "vocab.txt"
+    other.write_text(bert_run["vocab"].read_text(encoding="utf-8") + "zzzextra\n", encoding="utf-8")
+    with pytest.raises(UserError, match=f"tokenizer file {other} is not the one the checkpoint was trained"):
+        export_checkpoint(ckpt, tmp_path / "w", tokenizer=other)
+    with pytest.raises(UserError, match=r"missing.txt \(--tokenizer\) not found; pass --tokenizer vocab.txt"):
+        export_checkpoint(ckpt, tmp_path / "w", tokenizer=tmp_path / "missing.txt")
+    with pytest.raises(UserError, match=f"checkpoint directory {tmp_path / 'nothing'} does not exist"):
+        export_checkpoint(tmp_path / "nothing", tmp_path / "w")
+    with pytest.raises(UserError, match="step00000099 is not a complete checkpoint"):
+        export_checkpoint(ckpt, tmp_path / "w", tag="step00000099")
+    assert not (tmp_path / "w").exists()
+
+    mask = os.umask(0o077)
+    try:
+        export_checkpoint(ckpt, out, overwrite=True)
+    finally:
+        os.umask(mask)
+    assert not (out / "notes.txt").exists() and (out / "model.safetensors").is_file()
+    assert set(_modes(out).values()) == {0o600, 0o700}  # the umask is respected
+
+
+# --------------------------------------------------------------------------------------------- GPT-NeoX
+
+
+@pytest.fixture(scope="module")
+def neox_run(tmp_path_factory, wiki_text_dir) -> dict[str, Path]:
+    """neox-debug trained 2 steps on 2 ranks with ZeRO-1 in bf16 (DeepSpeed's BF16 optimizer, whose partitions
+    ``zero_to_fp32`` cannot read), with a byte-level BPE trained on the sample."""
+    root = tmp_path_factory.mktemp("neoxexport")
+    tok, shards = root / "tokenizer.json", root / "shards"
+    for cmd in (
+        ["vocab", str(wiki_text_dir), "--out", str(tok), "--size", "4000", "--kind", "bpe"],
+        ["gpt", "--text", str(wiki_text_dir), "--tokenizer", str(tok), "--out", str(shards),
+         "--seq-len", "128", "--no-progress"],
+    ):  # fmt: skip
+        res = _run([sys.executable, "-m", "data", *cmd])
+        assert res.returncode == 0, res.stderr[-3000:]
+    ckpt = _train(root / "run", 2, "model.name=neox-debug", f"data.train={shards}", f"data.eval={shards}",
+                  f"data.vocab={tok}", "optimizer.name=adamw", "deepspeed.zero_stage=1",
+                  "train.global_batch=4", "train.micro_batch=2")  # fmt: skip
+    return {"checkpoints": ckpt, "tokenizer": tok, "root": root}
+
+
+def test_neox_export_reproduces_training_tokenizer_and_weights(neox_run, wiki_text_dir):
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = neox_run["root"] / "hf"
+    res = _export(str(neox_run["checkpoints"]), "--out", str(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    _assert_readable(out)
+
+    training = Tokenizer.from_file(str(neox_run["tokenizer"]))  # what data.gpt wrote the shards with
+    tok = AutoTokenizer.from_pretrained(out)
+    assert len(tok) == training.get_vocab_size()
+    assert tok.eos_token == tok.bos_token == "<|endoftext|>" and tok.eos_token_id == 0
+    assert tok.pad_token_id == training.token_to_id("<|padding|>") == 1
+    for sentence in [*_sample_sentences(wiki_text_dir), ACCENTED]:
+        assert tok(sentence)["input_ids"] == training.encode(sentence).ids, sentence
+        assert tok.decode(tok(sentence)["input_ids"]) == sentence
+
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(model).__name__ == "GPTNeoXForCausalLM"
+    assert model.config.eos_token_id == model.config.bos_token_id == 0
+    _assert_weights_are_the_checkpoints(neox_run["checkpoints"], model)
+    enc = tok(_sample_sentences(wiki_text_dir)[0], return_tensors="pt")
+    with torch.no_grad():
+        logits = model(**enc).logits
+    assert logits.shape[:2] == enc["input_ids"].shape and torch.isfinite(logits).all()
+
+
+# ---------------------------------------------------------------- tokenizer writers, without a checkpoint
+
+
+@pytest.mark.parametrize("lowercase", [True, False])
+def test_bert_tokenizer_files_for_the_sample_vocab(wiki_vocab, wiki_text_dir, tmp_path, lowercase):
+    from transformers import AutoTokenizer
+
+    from data.tokenize_text import bert_tokenizer
+    from model.registry import FAMILIES, get_spec
+
+    ids = FAMILIES["bert"].save_tokenizer(Path(wiki_vocab), tmp_path, get_spec("bert-debug"),
+                                          {"lowercase": lowercase})  # fmt: skip
+    assert ids == {"pad_token_id": 0}
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    training = bert_tokenizer(wiki_vocab, lowercase)
+    for sentence in [*_sample_sentences(wiki_text_dir), ACCENTED]:
+        assert tok(sentence, add_special_tokens=False)["input_ids"] == training.encode(sentence).ids[1:-1]
+    assert tok.model_max_length == 512
+    assert (tok("Zürich")["input_ids"] == tok("zurich")["input_ids"]) is lowercase
+
+
+def test_bert_tokenizer_files_for_the_real_vocab(shared_bert_vocab, tmp_path):
+    from transformers import AutoTokenizer
+
+    from model.registry import FAMILIES, get_spec
+
+    FAMILIES["bert"].save_tokenizer(shared_bert_vocab, tmp_path, get_spec("bert-base"), {"lowercase": True})
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    assert len(tok) == 30522 and tok.mask_token_id == 103
+    # bert-base-uncased's own ids for this sentence
+    ids = tok("The history of Paris is long.")["input_ids"]
+    assert ids == [101, 1996, 2381, 1997, 3000, 2003, 2146, 1012, 102]
+
+
+def test_neox_tokenizer_files_for_the_real_tokenizer(shared_neox_tokenizer, tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    from model.registry import FAMILIES, get_spec
+
+    spec = get_spec("neox-20b")
+    ids = FAMILIES["neox"].save_tokenizer(shared_neox_tokenizer, tmp_path, spec, {"eod_id": 0})
+    assert ids == {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}
+    tok, ref = AutoTokenizer.from_pretrained(tmp_path), Tokenizer.from_file(str(shared_neox_tokenizer))
+    assert tok(ACCENTED)["input_ids"] == ref.encode(ACCENTED).ids
+    assert len(tok) == ref.get_vocab_size()
