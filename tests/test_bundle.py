@@ -308,3 +308,29 @@ def test_offline_install_and_cpu_run(bundle, tmp_path, wiki_text_dir, wiki_vocab
         json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
     ]
     assert len(losses) == 2 and all(0 < v < 100 for v in losses)
+
+    # scripts/gpu.sh's `pip install --no-deps -e .` of a checkout, offline: the build backend comes from the bundle.
+    checkout = tmp_path / "checkout"
+    shutil.copytree(
+        REPO,
+        checkout,
+        ignore=shutil.ignore_patterns(".git", ".venv", "runs", "build", "*.egg-info", "__pycache__"),
+    )
+    res = subprocess.run(
+        [*pip, "install", "--no-index", "--find-links", str(bundle), "--no-deps", "-e", str(checkout)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    res = subprocess.run(
+        [py, "-c", "import training; print('FROM', training.__file__)"],
+        cwd=app,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert res.returncode == 0 and res.stdout.split("FROM", 1)[1].strip() == str(
+        checkout / "training" / "__init__.py"
+    )
