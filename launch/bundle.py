@@ -6,19 +6,23 @@
 
 What it does, in order:
 1. builds the project's own wheel from this checkout (``pip wheel --no-deps``, in a scratch copy);
-2. builds a DeepSpeed wheel from its sdist (the package index has no DeepSpeed wheel) unless the target already
-   has a satisfying DeepSpeed: ``DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation deepspeed==VERSION``
-   (ops are compiled just in time on the target, so the wheel is pure Python and fits any platform);
+2. builds a DeepSpeed wheel from its sdist (the package index has no DeepSpeed wheel) unless the target
+   already has a satisfying DeepSpeed: ``DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation
+   deepspeed==VERSION`` (ops are compiled just in time on the target, so the wheel is pure Python and fits
+   any platform);
 3. resolves what the target must install with pip's own resolver (``pip install --dry-run --report`` with
-   ``--only-binary=:all: --python-version --platform``; only metadata is fetched). pip runs in a stand-in of the
-   target's environment: a folder of bare ``.dist-info`` entries, one per package the target already has (from
-   its ``pip freeze`` or ``--have``), so pip keeps what satisfies and upgrades what does not, exactly as it will
-   on the target, and never looks at the dependencies of what is already there (torch's CUDA libraries);
-4. downloads those wheels (``pip download --no-deps --only-binary=:all:``) next to the two built ones;
-5. optionally copies the enwiki sample dump, and writes MANIFEST.json (name, version, size, sha256 of each file).
+   ``--only-binary=:all: --python-version --platform``; only metadata is fetched). pip runs in a stand-in of
+   the target's environment: a folder of bare ``.dist-info`` entries, one per package the target already has
+   (from its ``pip freeze`` or ``--have``), so pip keeps what satisfies and upgrades what does not, exactly as
+   it will on the target, and never looks at the dependencies of what is already there (torch's CUDA
+   libraries);
+4. downloads those wheels (``pip download --no-deps --only-binary=:all:``) next to the two built ones, and
+   checks that pip, seeing only the bundle (``--no-index --find-links``), installs the project on the target;
+5. optionally copies the enwiki sample dump, and writes MANIFEST.json (name, version, size and sha256 of
+   each file).
 
-pip evaluates environment markers (``; python_version < "3.12"``) for the interpreter that runs this command, so
-run it with the target's Python minor version when the dependencies have such markers.
+pip evaluates environment markers (``; python_version < "3.12"``) for the interpreter that runs this command,
+so run it with the target's Python minor version when the dependencies have such markers.
 """
 
 from __future__ import annotations
@@ -88,7 +92,8 @@ def check_platforms(platforms: list[str]) -> None:
         m = _PLATFORM_RE.match(p)
         if m is None:
             raise UserError(
-                f"--platform {p}: unknown wheel platform tag (e.g. manylinux_2_28_x86_64, manylinux2014_x86_64, "
+                f"--platform {p}: unknown wheel platform tag (e.g. manylinux_2_28_x86_64, "
+                "manylinux2014_x86_64, "
                 "macosx_11_0_arm64, win_amd64)"
             )
         kinds.add("linux" if m.group("linux") else "mac" if m.group("mac") else "win")
@@ -127,7 +132,7 @@ def _version_here(name: str) -> str | None:
 
 
 def read_have(freeze: str | None, have: list[str]) -> dict[str, str]:
-    """What the target has: name -> version. A name given without a version is taken at this machine's version."""
+    """What the target has: name -> version. A name without a version is taken at this machine's version."""
     out: dict[str, str] = {}
     lines: list[tuple[str, str, bool]] = []
     if freeze:
@@ -205,7 +210,7 @@ def sha256(path: Path) -> str:
 
 
 def build_project_wheel(src: Path, dest: Path) -> Path:
-    """The project's wheel, built from a scratch copy of the checkout (so the checkout gets no build/ folder)."""
+    """The project's wheel, built from a scratch copy of the checkout (which so gets no build/ folder)."""
     if not (src / "pyproject.toml").is_file():
         raise UserError(
             f"{src}: no pyproject.toml; run the bundle command from a source checkout (or --project)"
@@ -238,7 +243,7 @@ def build_project_wheel(src: Path, dest: Path) -> Path:
 
 
 def deepspeed_version(spec: Requirement, wanted: str | None) -> str:
-    """The DeepSpeed version to build: --deepspeed, else the one installed here if it fits, else the newest."""
+    """The DeepSpeed to build: --deepspeed, else the one installed here if it fits, else the newest."""
     if wanted:
         if not spec.specifier.contains(wanted, prereleases=True):
             raise UserError(f"--deepspeed {wanted}: the project requires {spec}")
@@ -298,8 +303,8 @@ def resolve(target: Target, roots: list[str], scratch: Path, offline_from: Path 
     """What pip would install on the target for ``roots`` (metadata only): the entries of its install report.
 
     pip runs as ``python -S`` (no site-packages of this environment) with only itself and the stand-in site on
-    its path, so "already installed" means "the target has it". With ``offline_from``, pip sees nothing but that
-    folder (``--no-index --find-links``, no configuration file, no PIP_* variable), as on the target.
+    its path, so "already installed" means "the target has it". With ``offline_from``, pip sees nothing but
+    that folder (``--no-index --find-links``, no configuration file, no PIP_* variable), as on the target.
     """
     import pip as _pip
 
@@ -355,7 +360,7 @@ def build_bundle(
     deepspeed: str | None = None,
     build_backend: bool = False,
 ) -> dict:
-    """Write the bundle into ``out`` (created; must be absent, empty or a previous bundle) and return the manifest."""
+    """Write the bundle into ``out`` (absent, empty or a previous bundle) and return the manifest."""
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bundle-") as tmp:
         scratch = Path(tmp)
@@ -386,7 +391,8 @@ def build_bundle(
         roots = [f"{proj_name}{extra_s} @ {proj_whl.as_uri()}"]
         roots += [f"{name} @ {whl.as_uri()}" for name, whl in local.items() if name != proj_name]
         log.info(
-            f"resolving {proj_name}{extra_s} for python {target.python_version} / {' '.join(target.platforms)}"
+            f"resolving {proj_name}{extra_s} for python {target.python_version} / "
+            f"{' '.join(target.platforms)}"
         )
         wanted = resolve(target, roots, scratch)
 

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# On a GPU machine without internet: install the project from an offline bundle, build small BERT and GPT-NeoX
-# shards from the bundled enwiki sample, run a short one-GPU training, then the GPU test tier (pytest -m cuda).
-#   bash scripts/gpu.sh BUNDLE_DIR          (BUNDLE_DIR from scripts/gpu_bundle.sh; see docs/offline-install.md)
+# On a GPU machine without internet: install the project from an offline bundle, build small BERT and
+# GPT-NeoX shards from the bundled enwiki sample, run a short one-GPU training, then the GPU test tier
+# (pytest -m cuda).
+#   bash scripts/gpu.sh BUNDLE_DIR     (BUNDLE_DIR from scripts/gpu_bundle.sh; see docs/offline-install.md)
 # Environment: OUT (default runs/gpu): logs, data, runs and pytest results; PYTHON (default python3; in a venv
 # made with --system-site-packages when the system Python is "externally managed"); SMOKE_STEPS (default 20,
 # 0 skips the training run); PYTEST_ARGS: more pytest arguments.
-# The tests find the data through WIKIPRETRAIN_SAMPLE_DUMP (the sample .bz2) and WIKIPRETRAIN_GPU_DATA (OUT/data:
-# vocab.txt, tokenizer.json, bert128/{train,eval}, gpt512/{train,eval}).
+# The tests find the data through WIKIPRETRAIN_SAMPLE_DUMP (the sample .bz2) and WIKIPRETRAIN_GPU_DATA
+# (OUT/data: vocab.txt, tokenizer.json, bert128/{train,eval}, gpt512/{train,eval}).
 set -euo pipefail
 BUNDLE=${1:?usage: bash scripts/gpu.sh BUNDLE_DIR}
 if [ ! -f "$BUNDLE/MANIFEST.json" ]; then
@@ -35,8 +36,9 @@ if [ -f pyproject.toml ] && [ -f train.py ]; then
   # A checkout: run its code, not the wheel's copy (the bundle carries setuptools for the offline build).
   "$PY" -m pip install --no-index --find-links "$BUNDLE" --no-deps -e . 2>&1 | tee -a "$OUT/pip-install.log"
 fi
-"$PY" -c "import torch, deepspeed, training; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
-'deepspeed', deepspeed.__version__, 'project', training.__file__)"
+"$PY" -c "import torch, deepspeed, training
+print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'deepspeed', deepspeed.__version__,
+      'project', training.__file__)"
 
 D=$OUT/data
 echo "== 2/5 text and tokenizers from $DUMP"
@@ -53,10 +55,10 @@ echo "== 3/5 BERT shards (seq 128) and GPT-NeoX shards (seq 512)"
   --max-pred 20 --workers 4 --overwrite
 "$PY" -m data bert --text "$D/text-eval" --vocab "$D/vocab.txt" --out "$D/bert128/eval" --seq-len 128 \
   --max-pred 20 --dupe-factor 1 --overwrite
-"$PY" -m data gpt --text "$D/text-train" --tokenizer "$D/tokenizer.json" --out "$D/gpt512/train" --seq-len 512 \
-  --overwrite
-"$PY" -m data gpt --text "$D/text-eval" --tokenizer "$D/tokenizer.json" --out "$D/gpt512/eval" --seq-len 512 \
-  --overwrite
+"$PY" -m data gpt --text "$D/text-train" --tokenizer "$D/tokenizer.json" --out "$D/gpt512/train" \
+  --seq-len 512 --overwrite
+"$PY" -m data gpt --text "$D/text-eval" --tokenizer "$D/tokenizer.json" --out "$D/gpt512/eval" \
+  --seq-len 512 --overwrite
 export WIKIPRETRAIN_SAMPLE_DUMP=$DUMP WIKIPRETRAIN_GPU_DATA=$D
 
 if [ "$SMOKE_STEPS" -gt 0 ]; then

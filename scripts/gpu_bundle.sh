@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Build, on a machine with internet, the offline bundle for the GPU machine that scripts/gpu.sh runs on:
-# CPython 3.12, manylinux_2_28 / manylinux2014 x86_64, which already has torch 2.11 (CUDA), transformers, h5py,
-# tokenizers, numpy and pyarrow. The bundle carries the project, a DeepSpeed wheel built from its sdist, the
-# few small packages the machine lacks, pytest (extra "test"), setuptools (for `pip install -e .` offline) and
-# the enwiki sample dump. See docs/offline-install.md.
+# CPython 3.12, manylinux_2_28 / manylinux2014 x86_64, which already has torch 2.11 (CUDA), transformers,
+# h5py, tokenizers, numpy and pyarrow. The bundle carries the project, a DeepSpeed wheel built from its
+# sdist, the few small packages the machine lacks, pytest (extra "test"), setuptools (for `pip install -e .`
+# offline) and the enwiki sample dump. See docs/offline-install.md.
 #   bash scripts/gpu_bundle.sh DIR
 # Environment: PYTHON (default .venv/bin/python, else python3); TARGET_FREEZE: the GPU machine's `pip freeze`
 # (scripts/gpu.sh saves it as OUT/pip-freeze-before.txt), used instead of the built-in list when given;
