@@ -143,31 +143,27 @@ class _Collectives:
         raise RuntimeError(f"no implementation of {op} works on this backend")
 
 
-def _bench_one(
-    fn: Callable[[], None], iters: int, warmup: int, budget_s: float, dist: Any, sync: Callable
-) -> tuple[float, int]:
+def _bench_one(fn: Callable[[], None], iters: int, warmup: int, budget_s: float, sync: Callable) -> tuple[float, int]:
     """Mean seconds per call (slowest rank) and the iteration count used."""
-    import torch
+    from training import collectives
 
     for _ in range(warmup):
         fn()
     sync()
-    dist.barrier()
+    collectives.barrier()
     if budget_s > 0:  # cap iterations so big messages on CPU fit the budget; every rank must agree
         t0 = time.perf_counter()
         fn()
         sync()
-        probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX)
-        iters = max(3, min(iters, int(budget_s / max(probe.item(), 1e-9))))
-        dist.barrier()
+        probe = collectives.all_reduce_values([time.perf_counter() - t0], "max")[0]
+        iters = max(3, min(iters, int(budget_s / max(probe, 1e-9))))
+        collectives.barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
         fn()
     sync()
-    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item() / iters, iters
+    elapsed = collectives.all_reduce_values([time.perf_counter() - t0], "max")[0]
+    return elapsed / iters, iters
 
 
 def format_table(results: list[dict[str, Any]], world: int) -> str:
@@ -223,8 +219,9 @@ def run_rank(args: argparse.Namespace) -> int:
         from common.atomic import atomic_write_json
 
         atomic_write_json(Path(args.rank_info) / f"rank{rank}.json", info)
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, info)
+    from training import collectives
+
+    everyone = collectives.all_gather_object(info)
 
     sizes = parse_sizes(args.sizes or ("1K..32M" if on_cpu else "1K..256M"), args.factor)
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
@@ -246,7 +243,7 @@ def run_rank(args: argparse.Namespace) -> int:
             for size in sizes:
                 numel = max(world, size // 4 // world * world)
                 fn, impl = colls.make(op, numel, device, torch)
-                t, iters = _bench_one(fn, args.iters, args.warmup, budget, dist, accel.synchronize)
+                t, iters = _bench_one(fn, args.iters, args.warmup, budget, accel.synchronize)
                 nbytes = numel * 4
                 algbw = nbytes / t
                 results.append(
@@ -287,7 +284,7 @@ def run_rank(args: argparse.Namespace) -> int:
                     "results": results,
                 },
             )
-    dist.barrier()
+    collectives.barrier()
     dist.destroy_process_group()
     return 0
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from training import collectives
 
 
 @dataclass
@@ -45,14 +46,9 @@ class GroupLayout:
 
 def allreduce_sums(sums: torch.Tensor, pg: Any) -> torch.Tensor:
     """Sum a small vector over the data-parallel group (on the accelerator when the backend is NCCL)."""
-    if pg is None or not (dist.is_available() and dist.is_initialized()):
+    if pg is None or collectives.world_size() == 1:
         return sums
-    if sums.device.type == "cpu" and dist.get_backend(pg) == "nccl":
-        on_dev = sums.to(f"cuda:{torch.cuda.current_device()}")
-        dist.all_reduce(on_dev, op=dist.ReduceOp.SUM, group=pg)
-        return on_dev.to(sums.device)
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=pg)
-    return sums
+    return collectives.reduced(sums, "sum", group=pg)
 
 
 def _zero_groups(zopt: Any) -> tuple[list, list, list] | None:
@@ -121,7 +117,7 @@ def build_layouts(engine: Any, opt: torch.optim.Optimizer) -> dict[int, GroupLay
                 raise RuntimeError(f"LANS/LAMB: overlapping fragments in group {i}")
         pg = dp_groups[i]
         # One-time check that the ranks' fragments cover every tensor exactly once.
-        total = allreduce_sums(covered.to(flat.device), pg if dist.is_initialized() else None).cpu()
+        total = allreduce_sums(covered.to(flat.device), pg).cpu()
         expected = torch.tensor([lp.numel() for lp in lps], dtype=torch.float64)
         if not torch.equal(total, expected):
             bad = int((total != expected).nonzero()[0])
