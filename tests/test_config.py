@@ -139,3 +139,18 @@ def test_print_config_shows_deepspeed_json():
     out = run_train("--config", "smoke", "--print-config", "train.steps=3")
     assert out.returncode == 0, out.stderr
     assert '"gradient_accumulation_steps": 4' in out.stdout and '"steps": 3' in out.stdout
+
+
+def test_nccl_without_cuda_is_one_line():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: nccl is valid here")
+    out = run_train("--config", "smoke", "deepspeed.backend=nccl")
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: deepspeed.backend=nccl needs a CUDA device, but this torch has no CUDA; "
+        "use deepspeed.backend=gloo on CPU"
+    ], out.stderr
+    assert "Traceback" not in out.stderr

@@ -55,7 +55,7 @@ def train_args(data, run_dir: Path, *extra: str) -> list[str]:
     return [
         "--config", "smoke", f"run.dir={run_dir}", f"data.train={data['train']}", f"data.eval={data['eval']}",
         f"data.vocab={data['vocab']}", "train.global_batch=16", "train.micro_batch=4", "logging.every=1",
-        "train.eval_every=0", "train.eval_batches=2", "deepspeed.zero_stage=2", "deepspeed.timeout_s=60", *extra,
+        "train.eval_every=0", "train.eval_samples=32", "deepspeed.zero_stage=2", "deepspeed.timeout_s=60", *extra,
     ]  # fmt: skip
 
 
@@ -74,7 +74,8 @@ def test_two_node_training_then_node_failure_and_restart(bert_data, tmp_path):  
         assert [r["world_size"] for r in replicas] == [2, 2]
         assert {r["address"] for r in replicas} == {n0.addr, n1.addr}  # both nodes took part
         assert replicas[0]["params_sha256"] == replicas[1]["params_sha256"]  # gradients were synchronised
-        assert json.loads((run_dir / "summary.json").read_text())["world_size"] == 2
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["world_size"] == 2 and summary["nodes"] == 2  # the deepspeed launcher's node count
 
         # 2. A long continuation; node 1 dies mid-run: node 0 must exit within a bounded time, not hang.
         args = train_args(bert_data, run_dir, "train.steps=100000", "checkpoint.every=2")

@@ -102,8 +102,11 @@ class TrainSection:
     seed: int = 1234
     eval_every: int = 0
     """Evaluate every K steps (0: only at the end when data.eval is set)."""
-    eval_batches: int = 8
-    """Micro-batches per rank per evaluation."""
+    eval_samples: int = 256
+    """Held-out samples per evaluation: the first N of data.eval, the same every time and on any world size."""
+    deterministic: bool = False
+    """Deterministic algorithms (torch.use_deterministic_algorithms): a resumed GPU run repeats an
+    uninterrupted one's losses exactly, at some cost in speed."""
     stop_at_step: int = 0
     """Save a checkpoint and exit after this step (0: off), like Megatron's --exit-interval for time-boxed
     jobs; the next start resumes and finishes the same schedule."""
@@ -339,6 +342,7 @@ def validate(cfg: Config) -> None:
         "train.micro_batch": cfg.train.micro_batch,
         "data.seq_len": cfg.data.seq_len,
         "logging.every": cfg.logging.every,
+        "train.eval_samples": cfg.train.eval_samples,
     }
     for key, v in positive.items():
         if v <= 0:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -18,16 +20,67 @@ def backend_for(section: DeepSpeedSection) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def check_precision(section: DeepSpeedSection) -> None:
-    """fp16 needs an accelerator: CPUs do not implement fp16 training kernels (bf16 works)."""
-    if section.precision == "fp16" and not torch.cuda.is_available():
+def check_setup(cfg: Config) -> None:
+    """Refuse, in one line, what cannot run on this machine, before any process group exists."""
+    from model.registry import get_spec
+
+    get_spec(cfg.model.name)
+    ds = cfg.deepspeed
+    if ds.precision == "fp16" and not torch.cuda.is_available():
         raise UserError("deepspeed.precision=fp16 needs a GPU; on CPU use deepspeed.precision=bf16 or fp32")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if ds.backend == "nccl" and not torch.cuda.is_available():
+        why = (
+            "CUDA_VISIBLE_DEVICES is empty" if visible == ""
+            else "this torch has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        )  # fmt: skip
+        raise UserError(f"deepspeed.backend=nccl needs a CUDA device, but {why}; use deepspeed.backend=gloo on CPU")
+    if ds.backend == "auto" and torch.version.cuda is not None and visible == "":
+        raise UserError(
+            "CUDA_VISIBLE_DEVICES is set but empty: this CUDA build of torch sees no GPU; unset it, or set "
+            "deepspeed.backend=gloo to train on the CPU on purpose"
+        )
 
 
-def init_distributed(section: DeepSpeedSection) -> None:
-    """Start the process group (the launcher's env vars, or a single process) with a bounded timeout."""
+def compute_dtypes(section: DeepSpeedSection) -> tuple[str, ...]:
+    """The dtypes a run's arithmetic uses: the model's, plus fp32 for master weights and the optimizer."""
+    return {"bf16": ("bfloat16", "float32"), "fp16": ("float16", "float32")}.get(section.precision, ("float32",))
+
+
+class _DropNoise(logging.Filter):
+    """DeepSpeed messages a user can do nothing about, repeated by every rank at every start."""
+
+    NOISE = ("Setting accelerator to CPU", "untested optimizer")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(n in record.getMessage() for n in self.NOISE)
+
+
+def quiet() -> None:
+    """Silence DeepSpeed's and torch's warnings that say nothing actionable (call before importing deepspeed)."""
+    logging.getLogger("DeepSpeed").addFilter(_DropNoise())
+    warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated", category=FutureWarning)
+
+
+def start(cfg: Config) -> None:
+    """Checks, threads, determinism and the process group (the launcher's env vars, or a single process)."""
+    quiet()
     import deepspeed
+    import deepspeed.ops
 
+    check_setup(cfg)
+    if backend_for(cfg.deepspeed) == "gloo":
+        # DeepSpeed builds and maps a shared-memory all-reduce at every CPU start (seconds of start-up, two
+        # 69 MB files left in /dev/shm per job). Only its inference all-reduce uses it; training never does.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if cfg.run.threads_per_rank:
+        torch.set_num_threads(cfg.run.threads_per_rank)
+    if cfg.train.deterministic:
+        # cuBLAS needs a fixed workspace for deterministic matmuls; set before the first CUDA call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    section = cfg.deepspeed
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", "0")

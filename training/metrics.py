@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -109,3 +109,73 @@ def config_fingerprint(resolved_config: dict[str, Any]) -> str:
     flat = {k: v for k, v in _flatten(resolved_config).items() if k not in SCALE_DEPENDENT_KEYS}
     blob = json.dumps(flat, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
+
+
+# --------------------------------------------------------------------------- the run summary
+
+
+@dataclass
+class RunSummary:
+    """RUN_DIR/summary.json: what a finished run reports, read back by ``launch report``.
+
+    Time convention: ``startup_s`` (process start to the first step) + ``warmup_s`` (steps left out of the
+    throughput window) + ``train_window_s`` (the measured steps) + ``eval_s`` + ``save_s`` + ``log_s`` account
+    for ``wall_time_s`` up to the few milliseconds spent writing this summary. Throughput, MFU and
+    ``data_wait_fraction`` are over ``train_window_s`` only.
+    """
+
+    model: str
+    family: str
+    world_size: int
+    nodes: int
+    device_kind: str
+    device_count: int
+    threads_per_rank: int
+    precision: str
+    zero_stage: int  # the stage the DeepSpeed engine runs (bf16 at requested stage 0 runs as 1)
+    zero_stage_requested: int
+    optimizer: str
+    micro_batch: int
+    global_batch: int
+    grad_accum: int
+    seq_len: int
+    steps: int
+    measured_steps: int
+    samples: int
+    tokens: int
+    flops_per_token: float
+    peak_flops_per_device: float | None
+    attempt: int
+    stopped: str  # "" (finished), "sigterm" or "stop_at_step"
+    peak_memory_bytes: int
+    startup_s: float
+    warmup_s: float
+    train_window_s: float
+    eval_s: float
+    save_s: float
+    log_s: float
+    wall_time_s: float
+    final_loss: float | None
+    fingerprint: str
+    config: dict[str, Any]
+    sequences_per_sec: float | None = None
+    tokens_per_sec: float | None = None
+    sequences_per_sec_per_device: float | None = None
+    tokens_per_sec_per_device: float | None = None
+    tflops_per_device: float | None = None
+    mfu: float | None = None
+    data_wait_fraction: float | None = None
+    evaluation: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Flat JSON: the evaluation figures (``eval_*``) sit at the top level."""
+        out = {k: v for k, v in asdict(self).items() if k != "evaluation"}
+        out.update(self.evaluation)
+        return {k: v for k, v in out.items() if v is not None or k in ("mfu", "final_loss")}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunSummary:
+        names = {f.name for f in fields(cls)}
+        known = {k: v for k, v in d.items() if k in names}
+        known["evaluation"] = {k: v for k, v in d.items() if k.startswith("eval_")}
+        return cls(**known)

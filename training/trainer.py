@@ -1,42 +1,55 @@
 """The training loop: a thin, stateful trainer around a DeepSpeed engine.
 
-``Trainer.train()`` runs optimizer steps until ``train.steps`` or a stop request (SIGTERM), logging on rank 0,
-evaluating and checkpointing every K steps. Everything needed to continue exactly (step, samples, tokens,
-loader position, RNG states) goes into the checkpoint.
+``Trainer.train()`` runs optimizer steps until ``train.steps``, ``train.stop_at_step`` or a stop request
+(SIGTERM), logging on rank 0, evaluating and checkpointing every K steps. Everything needed to continue exactly
+(step, samples, tokens, loader position, RNG states) goes into the checkpoint; ``close()`` always runs.
+
+Host synchronisation. Inside a step nothing waits for the device: the micro-batch losses are summed on the
+device. At the end of a step one collective carries the step's loss pieces and the stop flag; its result is
+copied to the host without blocking and read one step later, when it is long complete. Only logging,
+evaluation and checkpoint steps read the current step's values at once (at most once per logging interval).
+
+Time accounting (``Clock``): the throughput window holds only the training steps after the warm-up ones; time
+spent evaluating, saving and logging is paused out of it and reported as ``eval_s``, ``save_s`` and ``log_s``.
+Waiting for data is counted only inside the window, so ``data_wait_fraction`` lies in [0, 1].
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import resource
 import signal
+import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from common.log import get_logger
-from training import checkpoint
+from training import checkpoint, collectives
+from training.config import CheckpointSection, LoggingSection, TrainSection
 from training.metrics import mfu, tflops_per_device, throughput
 
 log = get_logger("train")
 
-EXIT_PREEMPTED = 3  # SIGTERM received: the current step finished, a checkpoint was saved
+EXIT_PREEMPTED = 3  # SIGTERM or train.stop_at_step: the current step finished, a checkpoint was saved
+LOSS_PARTS = ("mlm_loss", "nsp_loss")  # logged beside the total loss when the model returns them
 
 
 def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    collectives.accelerator().synchronize()
 
 
 def peak_memory_bytes() -> int:
     """Peak accelerator memory, or on CPU the peak resident set size of this process."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.max_memory_allocated())
+    acc = collectives.accelerator()
+    if acc.device_name() != "cpu":
+        return int(acc.max_memory_allocated())
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
@@ -51,23 +64,48 @@ class TrainState:
 
 
 @dataclass
-class ThroughputWindow:
-    """Times optimizer steps after the warm-up ones, with device synchronisation at both ends."""
+class Clock:
+    """Where a run's wall time goes. The throughput window is the measured training steps only."""
 
     warmup_steps: int
-    start: float | None = None
-    steps: int = 0
-    data_wait: float = 0.0
-    losses: list[float] = field(default_factory=list)
+    window_s: float = 0.0
+    measured_steps: int = 0
+    data_wait_s: float = 0.0
+    warmup_s: float = 0.0
+    eval_s: float = 0.0
+    save_s: float = 0.0
+    log_s: float = 0.0
+    _open: float | None = None
 
-    def begin_if_due(self, step: int) -> None:
-        if self.start is None and step >= self.warmup_steps:
-            synchronize()
-            self.start = time.perf_counter()
+    @property
+    def running(self) -> bool:
+        return self._open is not None
 
-    def elapsed(self) -> float:
+    def open(self) -> None:
         synchronize()
-        return time.perf_counter() - self.start if self.start is not None else 0.0
+        self._open = time.perf_counter()
+
+    def close(self) -> None:
+        if self._open is not None:
+            synchronize()
+            self.window_s += time.perf_counter() - self._open
+            self._open = None
+
+    def seconds(self) -> float:
+        """The window so far (device work included: synchronises when open)."""
+        if self._open is None:
+            return self.window_s
+        synchronize()
+        return self.window_s + time.perf_counter() - self._open
+
+    def breakdown(self) -> dict[str, float]:
+        return {
+            "warmup_s": self.warmup_s,
+            "train_window_s": self.seconds(),
+            "eval_s": self.eval_s,
+            "save_s": self.save_s,
+            "log_s": self.log_s,
+        }
 
 
 class StopRequest:
@@ -80,11 +118,50 @@ class StopRequest:
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
         self.requested = True
 
-    def agreed(self) -> bool:
-        """True on every rank when any rank was asked to stop (one tiny all-reduce per step)."""
-        flag = torch.tensor([1.0 if self.requested else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+
+class StepReduction:
+    """Per step, one collective of [loss pieces..., stop flag]; read on the host without stalling the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.names: list[str] = []  # "loss" and the pieces the model returns, fixed at the first micro-batch
+        self.host: torch.Tensor | None = None
+        self.event = None
+        self.pending: int | None = None  # the step whose values are in flight
+        self.step = 0  # the newest step whose values are on the host
+        self.values: dict[str, float] = {}
+        self.stop = False
+
+    def name_pieces(self, out: dict[str, torch.Tensor]) -> list[str]:
+        if not self.names:
+            self.names = ["loss", *(k for k in LOSS_PARTS if k in out)]
+            pinned = self.device.type == "cuda"
+            self.host = torch.zeros(len(self.names) + 1, dtype=torch.float64, pin_memory=pinned)
+        return self.names
+
+    def launch(self, step: int, sums: torch.Tensor, stop_requested: bool) -> None:
+        flag = torch.full((1,), 1.0 if stop_requested else 0.0, dtype=torch.float64, device=self.device)
+        vec = torch.cat([sums.to(torch.float64), flag])
+        collectives.all_reduce_(vec, "sum")
+        self.read()  # the previous step's values: complete by now
+        assert self.host is not None
+        self.host.copy_(vec, non_blocking=True)
+        if self.device.type != "cpu":
+            self.event = collectives.accelerator().Event()
+            self.event.record()
+        self.pending = step
+
+    def read(self) -> None:
+        """Bring the pending step's values to the host (waits only if they are still in flight)."""
+        if self.pending is None:
+            return
+        if self.event is not None:
+            self.event.synchronize()
+        assert self.host is not None
+        vals = self.host.tolist()
+        self.step, self.values = self.pending, dict(zip(self.names, vals[:-1]))
+        self.stop = self.stop or vals[-1] > 0
+        self.pending = None
 
 
 class Trainer:
@@ -93,54 +170,45 @@ class Trainer:
         engine,
         loader,
         *,
-        eval_loader=None,
-        steps: int,
-        seq_len: int,
-        global_batch: int,
+        train: TrainSection,
+        logging: LoggingSection,
+        ckpt: CheckpointSection,
         grad_accum: int,
+        seq_len: int,
         flops_per_token: float,
-        peak_flops: float,
+        peak_flops: float | None,
         run_dir: Path,
         ckpt_dir: Path,
-        ckpt_every: int,
-        ckpt_keep: int,
-        stop_at_step: int = 0,
-        log_every: int,
-        warmup_steps: int,
-        eval_every: int,
-        eval_batches: int,
         client_static: dict[str, Any],
-        wandb_run=None,
+        eval_set=None,
+        attempt: int = 1,
     ) -> None:
         self.engine = engine
         self.loader = loader
-        self.eval_loader = eval_loader
-        self.steps = steps
-        self.seq_len = seq_len
-        self.global_batch = global_batch
+        self.eval_set = eval_set
+        self.cfg = train
+        self.logging = logging
+        self.ckpt = ckpt
         self.grad_accum = grad_accum
+        self.seq_len = seq_len
         self.flops_per_token = flops_per_token
         self.peak_flops = peak_flops
         self.run_dir = run_dir
         self.ckpt_dir = ckpt_dir
-        self.ckpt_every = ckpt_every
-        self.ckpt_keep = ckpt_keep
-        self.stop_at_step = stop_at_step
-        self.log_every = log_every
-        self.eval_every = eval_every
-        self.eval_batches = eval_batches
         self.client_static = client_static
-        self.wandb_run = wandb_run
-        self.world = dist.get_world_size()
-        self.rank = dist.get_rank()
+        self.attempt = attempt
+        self.wandb_run = None
+        self.world = collectives.world_size()
+        self.rank = collectives.rank()
         self.state = TrainState()
-        self.window = ThroughputWindow(warmup_steps)
+        self.clock = Clock(logging.warmup_steps)
         self.stop = StopRequest()
         self.device = engine.device
         self._iter = None
         self.last_eval: dict[str, float] = {}
         self.last_loss: float | None = None
         self.metrics_file = run_dir / "metrics.jsonl"
+        self._last_saved = -1
 
     # ------------------------------------------------------------------ state
     def client_state(self) -> dict[str, Any]:
@@ -150,6 +218,7 @@ class Trainer:
         self.state = TrainState(client["step"], client["samples"], client["tokens"])
         self.loader.load_state_dict(client["loader"])
         self._iter = None
+        self._last_saved = self.state.step
 
     # ------------------------------------------------------------------ steps
     def _next_batch(self) -> dict[str, torch.Tensor]:
@@ -160,75 +229,86 @@ class Trainer:
             if self._iter is None:
                 self._iter = iter(self.loader)
             batch = next(self._iter)
-        self.window.data_wait += time.perf_counter() - t0
+        if self.clock.running:
+            self.clock.data_wait_s += time.perf_counter() - t0
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step: grad_accum micro-batches, then DeepSpeed's step (clip, optimizer, schedule)."""
+    def train_step(self, reduction: StepReduction) -> float:
+        """One optimizer step: grad_accum micro-batches, then DeepSpeed's step (clip, optimizer, schedule).
+
+        Returns the learning rate the step used; the loss pieces arrive through ``reduction``.
+        """
         self.engine.train()
-        lr = float(self.engine.get_lr()[0])  # the rate this step's update uses
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        lr = float(self.engine.get_lr()[0])
+        sums: torch.Tensor | None = None
         for _ in range(self.grad_accum):
             out = self.engine(**self._next_batch())
             self.engine.backward(out["loss"])
             self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
-            loss_sum += out["loss"].detach().double().cpu()
-        # The step's loss: mean over the global batch (every micro-batch of every rank weighs the same).
-        loss = loss_sum / self.grad_accum
-        dist.all_reduce(loss)
-        loss = float(loss) / self.world
+            pieces = torch.stack([out[k].detach().float() for k in reduction.name_pieces(out)])
+            sums = pieces if sums is None else sums + pieces
+        assert sums is not None
         self.state.step += 1
-        self.state.samples += self.global_batch
-        self.state.tokens += self.global_batch * self.seq_len
-        grad_norm = self.engine.get_global_grad_norm()
-        return {
-            "loss": loss,
-            "lr": lr,
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-        }
+        self.state.samples += self.cfg.global_batch
+        self.state.tokens += self.cfg.global_batch * self.seq_len
+        # Mean over the global batch: every micro-batch of every rank weighs the same.
+        reduction.launch(self.state.step, sums / (self.grad_accum * self.world), self.stop.requested)
+        return lr
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """BERT: MLM and NSP accuracy; GPT-NeoX: validation loss and perplexity (summed over all ranks)."""
-        if self.eval_loader is None:
+        """The same held-out samples every time, whatever the world size: sums over all ranks, one collective.
+
+        BERT: MLM and NSP loss and accuracy; GPT-NeoX: validation loss and perplexity.
+        """
+        if self.eval_set is None:
             return {}
         self.engine.eval()
-        it = iter(self.eval_loader)
-        sums: dict[str, float] = {}
-        for _ in range(self.eval_batches):
-            batch = {k: v.to(self.device) for k, v in next(it).items()}
+        keys = ("n", "loss_x_n", "mlm_loss_x_n", "nsp_loss_x_n", "mlm_correct", "mlm_count", "nsp_correct",
+                "nsp_count", "tokens", "lm_loss_x_tokens")  # fmt: skip
+        sums = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
+        for batch in self.eval_set:
+            batch = {k: v.to(self.device) for k, v in batch.items()}
             out = self.engine(**batch)
             n = float(batch["input_ids"].size(0))
-            pieces = {"loss_x_n": float(out["loss"]) * n, "n": n}
-            for key in ("mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "tokens"):
-                if key in out:
-                    pieces[key] = float(out[key])
+            pieces = {"n": n, "loss_x_n": out["loss"].double() * n}
+            for k in ("mlm_loss", "nsp_loss"):
+                if k in out:
+                    pieces[f"{k}_x_n"] = out[k].double() * n
+            for k in ("mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "tokens"):
+                if k in out:
+                    pieces[k] = out[k]
             if "tokens" in out:
-                pieces["lm_loss_x_tokens"] = float(out["lm_loss"]) * float(out["tokens"])
-            for k, v in pieces.items():
-                sums[k] = sums.get(k, 0.0) + v
-        keys = sorted(sums)
-        t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(t)
-        total = dict(zip(keys, t.tolist()))
+                pieces["lm_loss_x_tokens"] = out["lm_loss"].double() * out["tokens"].double()
+            for i, k in enumerate(keys):
+                if k in pieces:
+                    sums[i] += pieces[k]
+        sums = sums.to(collectives.comm_device())
+        collectives.all_reduce_(sums, "sum")
+        total = dict(zip(keys, sums.tolist()))
+        self.engine.train()
+        if total["n"] == 0:
+            return {}
         result = {"eval_loss": total["loss_x_n"] / total["n"]}
-        if "mlm_count" in total:
-            result["eval_mlm_accuracy"] = total["mlm_correct"] / max(total["mlm_count"], 1.0)
+        if total["mlm_count"] > 0:
+            result["eval_mlm_loss"] = total["mlm_loss_x_n"] / total["n"]
+            result["eval_nsp_loss"] = total["nsp_loss_x_n"] / total["n"]
+            result["eval_mlm_accuracy"] = total["mlm_correct"] / total["mlm_count"]
             result["eval_nsp_accuracy"] = total["nsp_correct"] / max(total["nsp_count"], 1.0)
-        if "tokens" in total:
+        if total["tokens"] > 0:
             lm = total["lm_loss_x_tokens"] / total["tokens"]
             result["eval_loss"] = lm
             result["eval_perplexity"] = math.exp(min(lm, 50.0))
-        self.engine.train()
+        result["eval_samples"] = total["n"]
         return result
 
-    # ------------------------------------------------------------------ loop
-    def _performance(self) -> dict[str, float]:
-        measured_steps = self.state.step - max(self.window.warmup_steps, self._start_step)
-        seconds = self.window.elapsed()
-        if measured_steps <= 0 or seconds <= 0:
+    # ------------------------------------------------------------------ reporting
+    def performance(self) -> dict[str, Any]:
+        """Throughput over the measured window (training steps only), with its MFU and data-wait fraction."""
+        seconds = self.clock.seconds()
+        if self.clock.measured_steps <= 0 or seconds <= 0:
             return {}
-        tp = throughput(measured_steps * self.global_batch, seconds, self.seq_len, self.world)
+        tp = throughput(self.clock.measured_steps * self.cfg.global_batch, seconds, self.seq_len, self.world)
         return {
             "sequences_per_sec": tp.sequences_per_sec,
             "tokens_per_sec": tp.tokens_per_sec,
@@ -236,91 +316,173 @@ class Trainer:
             "tokens_per_sec_per_device": tp.tokens_per_sec_per_device,
             "tflops_per_device": tflops_per_device(tp.tokens_per_sec_per_device, self.flops_per_token),
             "mfu": mfu(tp.tokens_per_sec_per_device, self.flops_per_token, self.peak_flops),
-            "data_wait_fraction": self.window.data_wait / seconds,
+            "data_wait_fraction": self.clock.data_wait_s / seconds,
         }
 
-    def _log(self, record: dict[str, Any]) -> None:
+    def _write_record(self, record: dict[str, Any]) -> None:
         if self.rank != 0:
             return
+        record = {"attempt": self.attempt, **record}
         with open(self.metrics_file, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log(
-                {k: v for k, v in record.items() if isinstance(v, int | float)}, step=record["step"]
-            )
+            numbers = {k: v for k, v in record.items() if isinstance(v, int | float)}
+            self.wandb_run.log(numbers, step=record["step"])
         if self.engine.monitor is not None and self.engine.monitor.enabled:
             events = [(f"train/{k}", v, record["step"]) for k, v in record.items() if isinstance(v, float)]
             self.engine.monitor.write_events(events)
-        parts = [
-            f"step {record['step']}/{self.steps}",
-            f"loss {record['loss']:.4f}",
-            f"lr {record['lr']:.3e}",
-        ]
+
+    def _console(self, record: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        parts = [f"step {record['step']}/{self.cfg.steps}"]
+        if "loss" in record:
+            parts.append(f"loss {record['loss']:.4f}")
+            parts += [f"{k.replace('_loss', '').upper()} {record[k]:.4f}" for k in LOSS_PARTS if k in record]
+            parts.append(f"lr {record['lr']:.3e}")
         if "sequences_per_sec" in record:
-            parts += [
-                f"{record['sequences_per_sec']:.1f} seq/s",
-                f"{record['tokens_per_sec']:.0f} tok/s",
-                f"{record['tflops_per_device']:.3f} TFLOP/s/dev",
-                f"MFU {100 * record['mfu']:.1f}%",
-            ]
-        for k, label in (("eval_loss", "eval loss"), ("eval_mlm_accuracy", "MLM acc"),
-                         ("eval_nsp_accuracy", "NSP acc"), ("eval_perplexity", "ppl")):  # fmt: skip
-            if k in record:
-                parts.append(f"{label} {record[k]:.4f}")
+            parts += [f"{record['sequences_per_sec']:.1f} seq/s", f"{record['tokens_per_sec']:.0f} tok/s",
+                      f"{record['tflops_per_device']:.3f} TFLOP/s/dev"]  # fmt: skip
+            if record.get("mfu") is not None:
+                parts.append(f"MFU {100 * record['mfu']:.1f}%")
+        labels = (("eval_loss", "eval loss"), ("eval_mlm_accuracy", "eval MLM acc"),
+                  ("eval_nsp_accuracy", "eval NSP acc"), ("eval_perplexity", "eval ppl"))  # fmt: skip
+        parts += [f"{label} {record[k]:.4f}" for k, label in labels if k in record]
         log.info(" | ".join(parts))
 
     def save(self) -> str:
-        tag = checkpoint.save(
-            self.engine, self.ckpt_dir, self.state.step, self.client_state(), self.ckpt_keep
-        )
+        t0 = time.perf_counter()
+        tag = checkpoint.save(self.engine, self.ckpt_dir, self.state.step, self.client_state(), self.ckpt.keep)
+        self.clock.save_s += time.perf_counter() - t0
+        self._last_saved = self.state.step
         log.info(f"saved checkpoint {self.ckpt_dir / tag}")
         return tag
 
+    def _timed_eval(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        result = self.evaluate()
+        self.clock.eval_s += time.perf_counter() - t0
+        return result
+
+    # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, Any]:
-        """Run to ``steps``; returns the final performance figures. Exits with EXIT_PREEMPTED on SIGTERM."""
-        self._start_step = self.state.step
-        self.window.warmup_steps = self.state.step + self.window.warmup_steps
-        wall0 = time.perf_counter()
-        preempted = stopped_early = False
-        last_saved = self.state.step
-        while self.state.step < self.steps:
-            self.window.begin_if_due(self.state.step)
-            record = {"step": self.state.step + 1, **self.train_step()}
-            self.last_loss = record["loss"]
-            record["samples"], record["tokens"] = self.state.samples, self.state.tokens
+        """Run to ``train.steps``; returns the performance figures and whether the run stopped early."""
+        cfg = self.cfg
+        start_step = self.state.step
+        warm_until = start_step + self.clock.warmup_steps
+        reduction = StepReduction(collectives.comm_device())
+        stopped = ""
+        t_loop = time.perf_counter()
+        while self.state.step < cfg.steps:
+            if not self.clock.running and self.state.step >= warm_until:
+                self.clock.open()
+                self.clock.warmup_s = time.perf_counter() - t_loop
+            lr = self.train_step(reduction)
             step = self.state.step
-            if self.eval_every and step % self.eval_every == 0 and step < self.steps:
-                self.last_eval = self.evaluate()
-                record.update(self.last_eval)
-            if step % self.log_every == 0 or step == self.steps or "eval_loss" in record:
-                record.update(self._performance())
-                record["peak_memory_bytes"] = peak_memory_bytes()
-                self._log(record)
-            if self.ckpt_every and step % self.ckpt_every == 0 and step < self.steps:
-                self.save()
-                last_saved = step
-            if step == self.stop_at_step:
-                log.info(f"train.stop_at_step={step}: saving and exiting")
-                stopped_early = True
+            if self.clock.running:
+                self.clock.measured_steps += 1
+            do_eval = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
+            do_save = bool(self.ckpt.every) and step % self.ckpt.every == 0 and step < cfg.steps
+            do_log = step % self.logging.every == 0 or step == cfg.steps or do_eval
+            stop_here = step == cfg.stop_at_step
+            if do_log or do_eval or do_save or stop_here:
+                was_running = self.clock.running
+                self.clock.close()  # the window holds training steps only
+                reduction.read()
+                if do_eval:
+                    self.last_eval = self._timed_eval()
+                if do_log:
+                    t0 = time.perf_counter()
+                    record = {"step": step, **reduction.values, "lr": lr, "grad_norm": self._grad_norm(),
+                              "samples": self.state.samples, "tokens": self.state.tokens,
+                              **(self.last_eval if do_eval else {}), **self.performance(),
+                              "peak_memory_bytes": peak_memory_bytes()}  # fmt: skip
+                    self._write_record(record)
+                    self._console(record)
+                    self.clock.log_s += time.perf_counter() - t0
+                if do_save:
+                    self.save()
+                if was_running:
+                    self.clock.open()
+            if stop_here:
+                log.info(f"train.stop_at_step={step}: saving and exiting with code {EXIT_PREEMPTED}")
+                stopped = "stop_at_step"
                 break
-            if self.stop.agreed():
-                preempted = True
+            if reduction.stop:
                 log.warning(f"SIGTERM: stopping after step {step}")
+                stopped = "sigterm"
                 break
-        perf = self._performance()
-        if not (preempted or stopped_early) and self.eval_loader is not None:
-            self.last_eval = self.evaluate()
+        self.clock.close()
+        reduction.read()
+        if reduction.values and reduction.step == self.state.step:
+            self.last_loss = reduction.values["loss"]
+        perf = self.performance()
+        if not stopped and self.eval_set is not None:
+            self.last_eval = self._timed_eval()
             if self.last_eval:
                 log.info("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items()))
-                if self.rank == 0:
-                    with open(self.metrics_file, "a", encoding="utf-8") as f:
-                        f.write(json.dumps({"step": self.state.step, **self.last_eval}) + "\n")
-        if self.state.step != last_saved:
+                self._write_record({"step": self.state.step, **self.last_eval})
+        if self.state.step != self._last_saved:
             self.save()
-        perf["wall_time_s"] = time.perf_counter() - wall0
-        perf["preempted"] = preempted
-        return perf
+        return {**perf, **self.clock.breakdown(), "measured_steps": self.clock.measured_steps,
+                "stopped": stopped}  # fmt: skip
+
+    def _grad_norm(self) -> float:
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else float("nan")
+
+    def close(self) -> None:
+        """Release the loader's workers and finish wandb; safe to call more than once."""
+        for obj in (self.loader, self.eval_set):
+            close = getattr(obj, "close", None)
+            if close is not None:
+                close()
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (interpreter start-up and imports included)."""
+    import psutil
+
+    return time.time() - psutil.Process().create_time()
+
+
+def next_attempt(run_dir: Path, rank: int) -> int:
+    """This start's attempt number, counted from the run's first start (RUN_DIR/attempts.jsonl, rank 0).
+
+    Every row of metrics.jsonl carries it, so the steps a restart re-does are visible and readers can take the
+    latest attempt's row for each step.
+    """
+    number = 0
+    if rank == 0:
+        path = run_dir / "attempts.jsonl"
+        number = 1 + (len(path.read_text().splitlines()) if path.exists() else 0)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"attempt": number, "time": time.time(), "host": socket.gethostname()}) + "\n")
+    return int(collectives.broadcast_object(number))
 
 
 def exit_code(perf: dict[str, Any]) -> int:
-    return EXIT_PREEMPTED if perf.get("preempted") else 0
+    return EXIT_PREEMPTED if perf.get("stopped") else 0
+
+
+def write_replica_digest(run_dir: Path, module: torch.nn.Module, rank: int, world: int) -> None:
+    """Each rank records a hash of its parameters and where it ran: a cheap cross-node consistency check."""
+    from common.atomic import atomic_write_json
+    from common.net import own_address
+
+    h = hashlib.sha256()
+    for name, p in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    info = {
+        "rank": rank,
+        "world_size": world,
+        "host": socket.gethostname(),
+        "params_sha256": h.hexdigest(),
+        "address": own_address(os.environ.get("MASTER_ADDR", "127.0.0.1")),
+    }
+    atomic_write_json(run_dir / "replicas" / f"rank{rank}.json", info)

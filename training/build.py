@@ -1,0 +1,141 @@
+"""The pieces of a run, each built from its own section of the config: data, model and engine.
+
+``train.py`` reads as a list of these calls; each takes the sections it needs, not the whole config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from common.errors import UserError
+from common.log import get_logger
+from data.h5format import sha256_file
+from training.config import Config, DataSection, TrainSection
+
+log = get_logger("train")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def scalar_attrs(attrs: dict) -> dict:
+    """The shards' scalar attributes as plain JSON values (HDF5 gives numpy scalars)."""
+    out = {}
+    for k, v in attrs.items():
+        v = v.item() if isinstance(v, np.generic) else v
+        if isinstance(v, str | int | float | bool):
+            out[k] = v
+    return out
+
+
+@dataclass
+class RunData:
+    """The training loader, the fixed evaluation set and what the shards say about themselves."""
+
+    loader: Any
+    eval_set: Any
+    kind: str
+    attrs: dict[str, Any]
+    vocab_sha256: str | None
+
+
+def _open_loader(data: DataSection, train: TrainSection, path: str | None, key: str, kind: str,
+                 grad_accum: int, rank: int, world: int, expect: dict):  # fmt: skip
+    from data.loader import PretrainingLoader
+
+    if not path:
+        raise UserError(f"{key} is not set: give a directory of HDF5 shards (python -m data bert|gpt)")
+    if not Path(path).exists():
+        raise UserError(f"{key}={path}: directory does not exist")
+    return PretrainingLoader(
+        path,
+        kind,
+        micro_batch=train.micro_batch,
+        grad_accum=grad_accum,
+        dp_rank=rank,
+        dp_world=world,
+        seed=train.seed,
+        num_workers=data.num_workers,
+        expect=expect,
+    )
+
+
+def open_data(cfg: Config, family, grad_accum: int, rank: int, world: int) -> RunData:
+    """Open the shards the model family reads, checking them against ``data.*`` (sequence length, vocabulary)."""
+    from data.loader import EvalSet
+
+    data = cfg.data
+    kind = family.shard_kind if data.kind == "auto" else data.kind
+    if kind != family.shard_kind:
+        raise UserError(f"data.kind={data.kind} does not fit model {cfg.model.name} ({family.name})")
+    expect: dict[str, Any] = {"seq_len": data.seq_len}
+    if kind == "bert":
+        expect["max_pred"] = data.max_pred
+    vocab_sha = None
+    if data.vocab:
+        if not Path(data.vocab).exists():
+            raise UserError(f"data.vocab={data.vocab}: file does not exist")
+        vocab_sha = sha256_file(data.vocab)  # the hash the shard writers store
+        expect[family.hash_key] = vocab_sha
+    loader = _open_loader(data, cfg.train, data.train, "data.train", kind, grad_accum, rank, world, expect)
+    eval_set = None
+    if data.eval:
+        if not Path(data.eval).exists():
+            raise UserError(f"data.eval={data.eval}: directory does not exist")
+        eval_set = EvalSet(data.eval, kind, cfg.train.eval_samples, micro_batch=cfg.train.micro_batch,
+                           dp_rank=rank, dp_world=world, expect=expect)  # fmt: skip
+    attrs = loader.attrs
+    return RunData(loader, eval_set, kind, attrs, vocab_sha or attrs.get(family.hash_key))
+
+
+def schedule_kwargs(cfg: Config) -> dict:
+    """The schedule section's fields that the chosen schedule function takes, plus the total steps."""
+    from training.schedules import SCHEDULES
+
+    fields = {**dataclasses.asdict(cfg.schedule), "total_steps": cfg.train.steps}
+    accepted = inspect.signature(SCHEDULES[cfg.schedule.kind]).parameters
+    return {k: v for k, v in fields.items() if k in accepted and k != "step"}
+
+
+def build_engine(cfg: Config, spec, ds_config: dict[str, Any], rank: int):
+    """Model (same initial weights on every rank), optimizer, schedule and the DeepSpeed engine."""
+    import deepspeed
+
+    from model.build import build_model
+    from training.lans import attach_zero, build_optimizer, param_groups
+    from training.schedules import build_scheduler
+
+    log.info(f"building {spec.name} and its optimizer")
+    seed_everything(cfg.train.seed)  # same initial weights on every rank
+    model = build_model(
+        spec, attention=cfg.model.attention, activation_checkpointing=cfg.model.activation_checkpointing
+    )
+    seed_everything(cfg.train.seed + 1000 * rank)  # rank-specific dropout streams
+    opt = cfg.optimizer
+    optimizer = build_optimizer(
+        opt.name,
+        param_groups(model, opt.weight_decay),
+        lr=opt.lr,
+        betas=(opt.betas[0], opt.betas[1]),
+        eps=opt.eps,
+        weight_decay=opt.weight_decay,
+        trust_no_decay=opt.trust_no_decay,
+    )
+    scheduler = build_scheduler(optimizer, cfg.schedule.kind, **schedule_kwargs(cfg))
+    log.info("initialising the DeepSpeed engine")
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+    )
+    attach_zero(engine)
+    return engine
