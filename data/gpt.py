@@ -194,7 +194,10 @@ def _dataset_files(spec: str) -> list[Path]:
 def dataset_documents(spec: str, field: str) -> Iterator[str]:
     """Stream documents from local files through `datasets` (never from a hub)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    from datasets import load_dataset
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise UserError("--dataset needs the 'datasets' package: pip install 'wikipretrain[datasets]'") from None
 
     files = _dataset_files(spec)
     builder = DATASET_BUILDERS[files[0].suffix]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from common.errors import UserError
@@ -15,7 +16,15 @@ SAMPLE_ARTICLES = 106  # main namespace, not redirects
 
 
 def sample_dump_path() -> Path:
-    """Path of gensim's 206-page enwiki sample (1.7 MB bz2), found without importing gensim (slow)."""
+    """Path of gensim's 206-page enwiki sample (1.7 MB bz2), found without importing gensim (slow).
+
+    ``WIKIPRETRAIN_SAMPLE_DUMP`` names a copy instead (an offline bundle carries the .bz2, not gensim).
+    """
+    override = os.environ.get("WIKIPRETRAIN_SAMPLE_DUMP")
+    if override:
+        if not Path(override).is_file():
+            raise UserError(f"WIKIPRETRAIN_SAMPLE_DUMP={override}: no such file")
+        return Path(override)
     spec = importlib.util.find_spec("gensim")
     if spec is None or not spec.submodule_search_locations:
         raise UserError(

@@ -1,4 +1,4 @@
-"""``python -m launch {env,hostfile,render,sweep,report,commbench} ...``: scale-out command line.
+"""``python -m launch {env,hostfile,render,sweep,report,commbench,curve,bundle} ...``: scale-out command line.
 
 Under the DeepSpeed launcher, ``deepspeed --num_gpus 2 --module launch commbench ...`` runs
 ``python -m launch --local_rank=0 commbench ...`` in every rank: the top-level ``--local_rank`` is accepted and
@@ -37,6 +37,7 @@ SUBCOMMANDS = {
         "launch.commbench",
         "all-reduce / all-gather / reduce-scatter bandwidth (run under deepspeed)",
     ),
+    "curve": ("launch.curves", "a run's learning curve (PNG) and the held-out MLM baseline it must beat"),
     "bundle": ("launch.bundle", "folder of wheels that installs the project offline (pip --no-index)"),
 }
 

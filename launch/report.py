@@ -397,7 +397,10 @@ def csv_text(rows: list[dict[str, Any]]) -> str:
 
 def plot(rows: list[dict[str, Any]], path: str | Path) -> None:
     """PNG: scaling efficiency and sequences/s against accelerators, one line per configuration."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("plotting needs matplotlib: pip install 'wikipretrain[plot]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

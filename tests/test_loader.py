@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections import Counter
@@ -20,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from common.errors import UserError
+from common.net import free_port
 from data.h5format import BERT_SCHEMA
 from data.loader import EvalSet, PretrainingLoader
 from tests.conftest import REPO, run_env
@@ -125,12 +125,6 @@ def _rank_main(rank: int, world: int, shard_dir: str, out: str, port: int) -> No
             Path(out).write_text(json.dumps(gathered))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
