@@ -1,0 +1,46 @@
+"""The start-up floor, the peer of ``bench_startup.py``: the least a DeepSpeed rank must do before a first step.
+
+Import torch, DeepSpeed and transformers, start the process group, build the same BERT shape with
+``transformers.BertForPreTraining``, ``deepspeed.initialize`` it (ZeRO-2, torch AdamW) and run one step on a random
+batch. No data loading, no checks, no checkpoints, no logging: what any DeepSpeed program pays.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import psutil
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def main() -> None:
+    import deepspeed
+    from transformers import BertConfig, BertForPreTraining
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=8000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                     intermediate_size=512)  # fmt: skip
+    model = BertForPreTraining(cfg)
+    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2},
+          "zero_allow_untested_optimizer": True}  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
+    ids = torch.randint(0, 8000, (8, 128))
+    out = engine(input_ids=ids, labels=ids, next_sentence_label=torch.zeros(8, dtype=torch.long))
+    engine.backward(out.loss)
+    engine.step()
+    age = time.time() - psutil.Process().create_time()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps({"startup_s": age}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
