@@ -76,11 +76,23 @@ def _assert_weights_are_the_checkpoints(ckpt_dir: Path, hf_model: torch.nn.Modul
     assert len(module["module"]) > 10 and finer > len(module["module"]) // 2  # FP32 masters, not bf16 copies
 
 
+def _assert_family_hash_key(shards: Path, family: str, tokenizer: Path) -> None:
+    """The shard attribute the family record names holds the hash of the tokenizer file the run used."""
+    import h5py
+
+    from data.h5format import sha256_file
+    from model.registry import FAMILIES
+
+    with h5py.File(sorted(shards.glob("*.h5"))[0], "r") as f:
+        assert f.attrs[FAMILIES[family].hash_key] == sha256_file(tokenizer)
+
+
 def _train(run_dir: Path, ranks: int, *overrides: str) -> Path:
     cmd = [*launcher(ranks), "train.py", "--config", "smoke", f"run.dir={run_dir}", "train.steps=2",
-           "train.eval_every=0", "checkpoint.every=0", "logging.every=1", *overrides]  # fmt: skip
+           "train.eval_every=0", "checkpoint.every=0", "logging.every=1", "deepspeed.precision=bf16",
+           *overrides]  # fmt: skip
     res = _run(cmd, timeout=400)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-3000:]
     return run_dir / "checkpoints"
 
 
@@ -105,7 +117,7 @@ def bert_run(tmp_path_factory, wiki_text_dir, bert_vocab) -> dict[str, Path]:
     assert res.returncode == 0, res.stderr[-3000:]
     ckpt = _train(root / "run", 2, f"data.train={shards}", f"data.eval={shards}", f"data.vocab={bert_vocab}",
                   "train.global_batch=8", "train.micro_batch=2", "deepspeed.zero_stage=2")  # fmt: skip
-    return {"checkpoints": ckpt, "vocab": bert_vocab, "root": root}
+    return {"checkpoints": ckpt, "vocab": bert_vocab, "root": root, "shards": shards}
 
 
 def test_bert_export_reproduces_training_tokenizer_and_weights(bert_run, wiki_text_dir):
@@ -117,6 +129,7 @@ def test_bert_export_reproduces_training_tokenizer_and_weights(bert_run, wiki_te
     res = _export(str(bert_run["checkpoints"]), "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     _assert_readable(out)
+    _assert_family_hash_key(bert_run["shards"], "bert", bert_run["vocab"])
 
     vocab = bert_run["vocab"].read_text(encoding="utf-8").splitlines()
     assert (out / "vocab.txt").read_bytes() == bert_run["vocab"].read_bytes()
@@ -194,7 +207,7 @@ def neox_run(tmp_path_factory, wiki_text_dir) -> dict[str, Path]:
     ckpt = _train(root / "run", 2, "model.name=neox-debug", f"data.train={shards}", f"data.eval={shards}",
                   f"data.vocab={tok}", "optimizer.name=adamw", "deepspeed.zero_stage=1",
                   "train.global_batch=4", "train.micro_batch=2")  # fmt: skip
-    return {"checkpoints": ckpt, "tokenizer": tok, "root": root}
+    return {"checkpoints": ckpt, "tokenizer": tok, "root": root, "shards": shards}
 
 
 def test_neox_export_reproduces_training_tokenizer_and_weights(neox_run, wiki_text_dir):
@@ -205,6 +218,7 @@ def test_neox_export_reproduces_training_tokenizer_and_weights(neox_run, wiki_te
     res = _export(str(neox_run["checkpoints"]), "--out", str(out))
     assert res.returncode == 0, res.stderr[-3000:]
     _assert_readable(out)
+    _assert_family_hash_key(neox_run["shards"], "neox", neox_run["tokenizer"])
 
     training = Tokenizer.from_file(str(neox_run["tokenizer"]))  # what data.gpt wrote the shards with
     tok = AutoTokenizer.from_pretrained(out)

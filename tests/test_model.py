@@ -211,3 +211,84 @@ def test_flops_per_token_convention():
     assert (
         training_flops_per_token(large, 128, 20) < 6 * count_parameters(large)["total"] + 12 * 24 * 1024 * 128
     )
+
+
+# ----------------------------------------------------------------------------- one record per model family
+
+
+def test_every_size_has_its_family_record():
+    import dataclasses
+
+    from data.h5format import SCHEMAS
+    from model.registry import FAMILIES, family_of
+
+    for spec in REGISTRY.values():
+        family = family_of(spec)
+        assert family is FAMILIES[spec.family] and type(spec) is family.spec_class
+        assert family.shard_kind in SCHEMAS  # a shard format the data layer writes
+        model = family.build(spec, "sdpa") if spec.layers <= 4 else build_model(spec, device="meta")
+        assert model.spec is spec and type(model) is type(build_model(spec, device="meta"))
+    assert {f.spec_class for f in FAMILIES.values()} == {type(s) for s in REGISTRY.values()}
+    # the two names of one family ("neox" model, "gpt" shards) now live in one record
+    assert (FAMILIES["bert"].shard_kind, FAMILIES["neox"].shard_kind) == ("bert", "gpt")
+    assert FAMILIES["neox"].hash_key == "tokenizer_sha256" and FAMILIES["bert"].uses_max_pred
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        FAMILIES["bert"].shard_kind = "gpt"
+
+
+def test_head_rules():
+    from model.registry import FAMILIES
+
+    bert, neox = FAMILIES["bert"].head_weights_per_token, FAMILIES["neox"].head_weights_per_token
+    assert bert(1000, 64, 128, 20) == pytest.approx((1000 * 20 + 64) / 128)  # MLM at 20 of 128, NSP once
+    assert neox(1000, 0, 128, None) == 1000  # the LM head at every position
+    with pytest.raises(ValueError, match="max_pred"):
+        bert(1000, 64, 128, None)
+
+
+@pytest.mark.parametrize("name", ["bert-base", "bert-1.5b", "neox-125m", "neox-20b"])
+def test_flops_equal_the_family_head_rule(name):
+    """model.flops agrees with the Family rule fed with head weights counted here, a tied decoder included."""
+    from model.registry import family_of
+
+    spec = get_spec(name)
+    hf = build_model(spec, device="meta").hf
+    layers = pred = seq = 0
+    for n, p in hf.named_parameters():
+        if n.endswith(("embeddings.word_embeddings.weight", "position_embeddings.weight",
+                       "token_type_embeddings.weight", "embed_in.weight")):  # fmt: skip
+            continue  # lookups, not matmuls
+        if n.startswith("cls.predictions.") or n.startswith("embed_out."):
+            pred += p.numel()
+        elif n.startswith(("bert.pooler.", "cls.seq_relationship.")):
+            seq += p.numel()
+        else:
+            layers += p.numel()
+    if hf.get_output_embeddings().weight is hf.get_input_embeddings().weight:
+        pred += hf.get_output_embeddings().weight.numel()  # BERT's decoder: the tied embedding matrix
+    seq_len, max_pred = (128, 20) if spec.family == "bert" else (2048, None)
+    head = family_of(spec).head_weights_per_token(pred, seq, seq_len, max_pred)
+    expected = 6 * (layers + head) + 12 * spec.layers * spec.hidden * seq_len
+    assert training_flops_per_token(spec, seq_len, max_pred) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_spec_round_trips_through_a_checkpoint(name):
+    from model.registry import spec_from_dict, spec_to_dict
+
+    spec = get_spec(name, vocab_size=8000)
+    stored = json.loads(json.dumps({**spec_to_dict(spec), "padded_vocab": spec.padded_vocab}))  # train.py
+    assert spec_from_dict(stored) == spec
+
+
+def test_spec_from_dict_errors_name_the_problem():
+    from common.errors import UserError
+    from model.registry import spec_from_dict, spec_to_dict
+
+    d = spec_to_dict(get_spec("neox-debug"))
+    with pytest.raises(UserError, match="model spec has family 'gpt'; known families: bert, neox"):
+        spec_from_dict({**d, "family": "gpt"})
+    with pytest.raises(UserError, match="model spec 'neox-debug' has unknown field\\(s\\) pre_layernorm"):
+        spec_from_dict({**d, "pre_layernorm": True})
+    with pytest.raises(UserError, match="model spec 'neox-debug': .*rotary_pct"):
+        spec_from_dict({**d, "rotary_pct": 2.0})
