@@ -70,7 +70,7 @@ def run(cfg: Config) -> int:
         "data_attrs": scalar_attrs(data.attrs),
         "config": resolved,
     }
-    flops = training_flops_per_token(spec, cfg.data.seq_len, cfg.data.max_pred if data.kind == "bert" else None)
+    flops = training_flops_per_token(spec, cfg.data.seq_len, cfg.data.max_pred if family.uses_max_pred else None)
     device = devices.device_name()
     peak = devices.peak_flops(device, ds_engine.compute_dtypes(cfg.deepspeed))
     if peak is not None:  # ranks of one job report one MFU: the best peak any of them measured

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 
 from model.build import build_model
-from model.registry import ModelSpec
+from model.registry import ModelSpec, family_of
 
 
 def _layer_and_head_params(spec: ModelSpec) -> tuple[int, int, int]:
@@ -42,8 +42,9 @@ def _layer_and_head_params(spec: ModelSpec) -> tuple[int, int, int]:
             seq_head += n
         else:
             layers += n
-    if spec.family == "bert":
-        pred_head += spec.hidden * spec.padded_vocab  # the decoder matmul uses the tied embedding matrix
+    out, inp = model.hf.get_output_embeddings(), model.hf.get_input_embeddings()
+    if out is not None and out.weight is inp.weight:  # a tied decoder multiplies by the embedding matrix
+        pred_head += out.weight.numel()
     return layers, pred_head, seq_head
 
 
@@ -52,10 +53,5 @@ def training_flops_per_token(spec: ModelSpec, seq_len: int, max_pred: int | None
     """Training FLOPs per token (forward + backward) under the convention in this module's docstring."""
     layers, pred_head, seq_head = _layer_and_head_params(spec)
     attention = 12 * spec.layers * spec.hidden * seq_len
-    if spec.family == "bert":
-        if max_pred is None:
-            raise ValueError("BERT FLOPs need max_pred (MLM predictions per sequence)")
-        head = pred_head * max_pred / seq_len + seq_head / seq_len
-    else:
-        head = pred_head  # the LM head runs at every position
+    head = family_of(spec).head_weights_per_token(pred_head, seq_head, seq_len, max_pred)
     return 6.0 * (layers + head) + attention

@@ -222,27 +222,6 @@ def test_half_written_checkpoint_is_ignored(bert_data, straight_run, tmp_path):
     assert not partial.exists()  # cleaned by the next successful save
 
 
-def test_export_loads_with_transformers(straight_run, tmp_path):
-    import torch
-    from transformers import AutoModelForMaskedLM, AutoTokenizer
-
-    out = tmp_path / "hf"
-    res = subprocess.run(
-        [sys.executable, "-m", "model", "export", str(straight_run / "checkpoints"), "--out", str(out)],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-    )
-    assert res.returncode == 0, res.stderr
-    model = AutoModelForMaskedLM.from_pretrained(out).eval()
-    tok = AutoTokenizer.from_pretrained(out)
-    enc = tok("the history of [MASK] is long.", return_tensors="pt")
-    with torch.no_grad():
-        logits = model(**enc).logits
-    assert logits.shape[-1] == model.config.vocab_size and torch.isfinite(logits).all()
-
-
 def test_sigterm_saves_and_exits_with_distinct_code(bert_data, tmp_path):
     run_dir = tmp_path / "run"
     cmd = [

@@ -80,7 +80,7 @@ def open_data(cfg: Config, family, grad_accum: int, rank: int, world: int) -> Ru
     if kind != family.shard_kind:
         raise UserError(f"data.kind={data.kind} does not fit model {cfg.model.name} ({family.name})")
     expect: dict[str, Any] = {"seq_len": data.seq_len}
-    if kind == "bert":
+    if family.uses_max_pred:
         expect["max_pred"] = data.max_pred
     vocab_sha = None
     if data.vocab:
