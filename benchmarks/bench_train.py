@@ -9,7 +9,7 @@ sequence length, BF16, AdamW (the Trainer's default optimizer, ``adamw_torch_fus
 * ours: ``train.py`` on one process (DeepSpeed ZeRO stage 0, which runs as stage 1 under BF16), started through
   ``benchmarks/bench_train_ours.py`` (train.py unchanged, plus the CPU time of its throughput window); the
   figure is ``sequences_per_sec`` of RUN_DIR/summary.json (steps after ``--warmup`` excluded); MFU against the
-  BF16 matmul peak that ``train.py`` measures in the same process (``peak_flops_per_device``).
+  CPU matmul peak ``train.py`` uses (``peak_flops_per_device``: the fastest of the run's compute dtypes, cached).
 * peer: ``benchmarks/bench_train_hf.py``: ``Trainer`` with ``BertForPreTraining`` (MLM head over every position)
   or ``GPTNeoXForCausalLM`` (``labels=input_ids``), timed by a callback from the end of step ``--warmup`` to
   the end of the last step.
@@ -294,6 +294,8 @@ def _one_thread(args: argparse.Namespace) -> argparse.Namespace:
 
 def run_peer(model: str, family: str, paths: dict[str, Path], args, tag: str) -> dict:
     """One Hugging Face Trainer run (benchmarks/bench_train_hf.py); its JSON record."""
+    from model.registry import FAMILIES
+
     work = Path(args.work)
     out = work / "runs" / f"{tag}.json"
     out.unlink(missing_ok=True)
@@ -303,7 +305,7 @@ def run_peer(model: str, family: str, paths: dict[str, Path], args, tag: str) ->
         "--model",
         model,
         "--data",
-        str(paths["bert" if family == "bert" else "gpt"]),
+        str(paths[FAMILIES[family].shard_kind]),
         "--steps",
         str(args.warmup + args.steps),
         "--warmup",
@@ -359,7 +361,7 @@ def verdict(ratios: list[float], target: float) -> str:
 def table(rows: list[dict], args: argparse.Namespace) -> str:
     """Markdown table; medians with the individual runs in parentheses."""
     head = ["model", "seq", "micro x accum", "ours seq/s", "peer seq/s", "ratio"]
-    head += ["ours seq/CPU-s", "peer seq/CPU-s", "CPU ratio", "target", "our MFU", "CPU BF16 peak"]
+    head += ["ours seq/CPU-s", "peer seq/CPU-s", "CPU ratio", "target", "our MFU", "CPU matmul peak"]
     if args.two_ranks:
         head.append("ours 2 ranks x 1 thread seq/s")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]

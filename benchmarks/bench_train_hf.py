@@ -195,10 +195,10 @@ def main(argv: list[str] | None = None) -> int:
             f"transformers.Trainer is not usable ({e}); pip install 'accelerate>=1.1.0'"
         ) from None
 
-    from model.registry import get_spec
+    from model.registry import family_of, get_spec
 
     spec = get_spec(args.model)
-    kind = "bert" if spec.family == "bert" else "gpt"
+    kind = family_of(spec).shard_kind
     info = h5format.inspect_shard(h5format.resolve_shards(args.data)[0], kind)
     vocab_size = int(info.attrs["vocab_size"])
     seq_len = int(info.attrs["seq_len"])
