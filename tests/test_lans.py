@@ -212,7 +212,7 @@ def test_zero_map_does_not_import_lans() -> None:
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module or "")
             imported |= {f"{node.module}.{a.name}" for a in node.names}
-    assert "torch.distributed" in imported  # the walk sees the module's imports
+    assert "torch" in imported  # the walk sees the module's imports
     assert not [m for m in imported if m == "training.lans" or m.startswith("training.lans.")]
 
 
@@ -346,15 +346,23 @@ def sumsq_relative_errors(cpp: bool) -> dict[str, float]:
         parts = ext.moments_sumsq([zeros[0]], [big.clone()], [zeros[1]], [zeros[2]], sc)
         for j, name in enumerate(("r", "c", "w")):
             got[f"cpp moments {name}"] = (float(parts[0, j]), "fp32")
+        # the torch.compile'd sums of squares (impl "fused"), same inputs
+        lans_sums = lans_mod._compiled("lans_sumsq")(zeros[0], big, zeros[1], zeros[2], sc[0])
+        lamb_sums = lans_mod._compiled("lamb_sumsq")(zeros[0], big, zeros[1], zeros[2], sc[0])
+        for j, name in enumerate(("r", "c", "w")):
+            got[f"fused lans {name}"] = (float(lans_sums[j]), "fp32")
+        got["fused lamb u"] = (float(lamb_sums[0]), "fp32")
+        got["fused lamb w"] = (float(lamb_sums[2]), "fp32")
     return {name: abs(v - exact[key]) / exact[key] for name, (v, key) in got.items()}
 
 
 def test_sum_of_squares_is_accurate_on_large_tensors() -> None:
-    """The norms behind every trust ratio, from the eager path (BLAS) and the C++ kernels (-march=native):
-    within gamma_n (1e-9 here) of the exact sum, a bound that holds for any summation order and vector width.
+    """The norms behind every trust ratio, from the eager path (BLAS), the C++ kernels (-march=native) and
+    the compiled kernels: within gamma_n (1e-9 here) of the exact sum, a bound that holds for any summation
+    order and vector width.
     (The former fp32 chunk sums were off by 3.6e-6 on the bf16 data with AVX2, 5e-8 on the fp32 data.)"""
     errors = sumsq_relative_errors(cpp=True)
-    assert len(errors) == 7
+    assert len(errors) == 12
     for name, err in errors.items():
         assert err <= gamma(SUMSQ_N), (name, err)
 

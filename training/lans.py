@@ -134,23 +134,32 @@ def _moments_kernel(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch
     v.copy_(v * sc[2] + gt * gt * sc[3])
 
 
+def _sumsq_dtype(w: torch.Tensor) -> torch.dtype:
+    """Accumulator of the compiled sums of squares (a constant when dynamo traces: the device is static)."""
+    return torch.float64 if w.device.type == "cpu" else torch.float32
+
+
 def _lans_sumsq_kernel(
     g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor
 ) -> torch.Tensor:
-    """Partial sums of squares of r', c' and w over the fragment (after the moment update), float64."""
+    """Partial sums of squares of r', c' and w over the fragment (after the moment update); accumulated
+    in float64 on CPU (see ``sum_of_squares``), fp32 elsewhere (accelerators: tree reductions; no fp64 on
+    HPU)."""
+    acc = _sumsq_dtype(w)
     gt = g.float() * sc[0]
     b = v.sqrt() + sc[4]
-    r = (m / b + sc[5] * w).double()
-    c = (gt / b + sc[6] * w).double()
-    wd = w.double()
+    r = (m / b + sc[5] * w).to(acc)
+    c = (gt / b + sc[6] * w).to(acc)
+    wd = w.to(acc)
     return torch.stack([(r * r).sum(), (c * c).sum(), (wd * wd).sum()])
 
 
 def _lamb_sumsq_kernel(
     g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor
 ) -> torch.Tensor:
-    u = (m / (v.sqrt() + sc[4]) + sc[5] * w).double()
-    wd = w.double()
+    acc = _sumsq_dtype(w)
+    u = (m / (v.sqrt() + sc[4]) + sc[5] * w).to(acc)
+    wd = w.to(acc)
     return torch.stack([(u * u).sum(), torch.zeros((), dtype=u.dtype, device=u.device), (wd * wd).sum()])
 
 
