@@ -14,10 +14,20 @@ from common.errors import UserError
 from training.config import Config, DeepSpeedSection, LoggingSection
 
 
+def on_accelerator() -> bool:
+    """True on CUDA, Gaudi and other DeepSpeed accelerators; False on the CPU."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() != "cpu"
+
+
 def backend_for(section: DeepSpeedSection) -> str:
+    """auto: the accelerator's own backend (nccl on CUDA, hccl on Gaudi), gloo on the CPU."""
     if section.backend != "auto":
         return section.backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().communication_backend_name() if on_accelerator() else "gloo"
 
 
 def check_setup(cfg: Config) -> None:
@@ -26,7 +36,7 @@ def check_setup(cfg: Config) -> None:
 
     get_spec(cfg.model.name)
     ds = cfg.deepspeed
-    if ds.precision == "fp16" and not torch.cuda.is_available():
+    if ds.precision == "fp16" and not on_accelerator():
         raise UserError("deepspeed.precision=fp16 needs a GPU; on CPU use deepspeed.precision=bf16 or fp32")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if ds.backend == "nccl" and not torch.cuda.is_available():
@@ -109,10 +119,11 @@ def deepspeed_config(cfg: Config, grad_accum: int, run_dir: str) -> dict[str, An
     """The DeepSpeed JSON config for this run (written to RUN_DIR/deepspeed_config.json for reference)."""
     ds: DeepSpeedSection = cfg.deepspeed
     stage = effective_zero_stage(ds)
+    accel = on_accelerator()
     zero: dict[str, Any] = {"stage": stage}
     if stage in (1, 2):
         zero.update(
-            overlap_comm=ds.overlap_comm and torch.cuda.is_available(),
+            overlap_comm=ds.overlap_comm and accel,
             contiguous_gradients=True,
             reduce_bucket_size=ds.bucket_size,
             allgather_bucket_size=ds.bucket_size,
@@ -120,7 +131,7 @@ def deepspeed_config(cfg: Config, grad_accum: int, run_dir: str) -> dict[str, An
         )
     if stage == 3:
         zero.update(
-            overlap_comm=ds.overlap_comm and torch.cuda.is_available(),
+            overlap_comm=ds.overlap_comm and accel,
             contiguous_gradients=True,
             reduce_bucket_size=ds.bucket_size,
             stage3_prefetch_bucket_size=ds.bucket_size // 4,
@@ -130,11 +141,11 @@ def deepspeed_config(cfg: Config, grad_accum: int, run_dir: str) -> dict[str, An
         if ds.mics_shard_size:
             zero["mics_shard_size"] = ds.mics_shard_size
         if ds.offload_param:
-            zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+            zero["offload_param"] = {"device": "cpu", "pin_memory": accel}
     if ds.offload_optimizer:
         if stage == 0:
             raise UserError("deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1")
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": accel}
 
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch,
