@@ -38,8 +38,14 @@ def run(cfg: Config) -> int:
     from training import checkpoint, collectives, devices, engine as ds_engine
     from training.build import build_engine, open_data, scalar_attrs, seed_everything
     from training.metrics import RunSummary, config_fingerprint
-    from training.trainer import (Trainer, exit_code, next_attempt, peak_memory_bytes, process_age_s,
-                                  write_replica_digest)
+    from training.trainer import (
+        Trainer,
+        exit_code,
+        next_attempt,
+        peak_memory_bytes,
+        process_age_s,
+        write_replica_digest,
+    )
 
     ds_engine.start(cfg)  # precision and backend checks, threads, determinism, the process group
     rank, world = collectives.rank(), collectives.world_size()
@@ -51,11 +57,15 @@ def run(cfg: Config) -> int:
     spec = get_spec(cfg.model.name, vocab_size=cfg.model.vocab_size or data.attrs.get("vocab_size"),
                     dropout=cfg.model.dropout)  # fmt: skip
     if spec.max_positions < cfg.data.seq_len:
-        raise UserError(f"data.seq_len={cfg.data.seq_len} exceeds {spec.name}'s max_positions={spec.max_positions}")
+        raise UserError(
+            f"data.seq_len={cfg.data.seq_len} exceeds {spec.name}'s max_positions={spec.max_positions}"
+        )
     point = checkpoint.find_resume(cfg.checkpoint, ckpt_dir, world=world, global_batch=cfg.train.global_batch,
                                    steps=cfg.train.steps)  # fmt: skip
     if point is not None and point.saved["step"] == cfg.train.steps:
-        log.info(f"{point.ckpt_dir / point.tag} is already at train.steps={cfg.train.steps}: nothing to train")
+        log.info(
+            f"{point.ckpt_dir / point.tag} is already at train.steps={cfg.train.steps}: nothing to train"
+        )
         return 0
     ds_config = ds_engine.deepspeed_config(cfg, grad_accum, str(run_dir))
     ds_config["checkpoint"]["load_universal"] = bool(point and point.universal)
@@ -70,7 +80,9 @@ def run(cfg: Config) -> int:
         "data_attrs": scalar_attrs(data.attrs),
         "config": resolved,
     }
-    flops = training_flops_per_token(spec, cfg.data.seq_len, cfg.data.max_pred if family.uses_max_pred else None)
+    flops = training_flops_per_token(
+        spec, cfg.data.seq_len, cfg.data.max_pred if family.uses_max_pred else None
+    )
     device = devices.device_name()
     peak = devices.peak_flops(device, ds_engine.compute_dtypes(cfg.deepspeed))
     if peak is not None:  # ranks of one job report one MFU: the best peak any of them measured
@@ -93,9 +105,11 @@ def run(cfg: Config) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(run_dir / "config.json", resolved)
             atomic_write_json(run_dir / "deepspeed_config.json", ds_config)
-            log.info(f"{spec.name} | world {world} | micro {cfg.train.micro_batch} x accum {grad_accum} = global "
-                     f"{cfg.train.global_batch} | seq {cfg.data.seq_len} | ZeRO {zero_stage} | "
-                     f"{cfg.deepspeed.precision} | {cfg.optimizer.name} | {device} | attempt {trainer.attempt}")
+            log.info(
+                f"{spec.name} | world {world} | micro {cfg.train.micro_batch} x accum {grad_accum} = global "
+                f"{cfg.train.global_batch} | seq {cfg.data.seq_len} | ZeRO {zero_stage} | "
+                f"{cfg.deepspeed.precision} | {cfg.optimizer.name} | {device} | attempt {trainer.attempt}"
+            )
             trainer.wandb_run = start_wandb(cfg, run_dir, resolved)
         startup_s = process_age_s()
         perf = trainer.train()
@@ -139,7 +153,9 @@ def start_wandb(cfg: Config, run_dir: Path, resolved: dict):
     try:
         import wandb
     except ImportError:
-        raise UserError("logging.wandb.project is set but wandb is not installed: pip install wandb") from None
+        raise UserError(
+            "logging.wandb.project is set but wandb is not installed: pip install wandb"
+        ) from None
     return wandb.init(project=w.project, entity=w.entity, name=w.name or cfg.run.name, mode=w.mode,
                       config=resolved, dir=str(run_dir))  # fmt: skip
 

@@ -63,7 +63,10 @@ def main(argv: list[str] | None = None) -> int:
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     data = build_data(args.work)
-    results: dict[str, dict[str, list[float]]] = {"ours": {"wall": [], "first": []}, "floor": {"wall": [], "first": []}}
+    results: dict[str, dict[str, list[float]]] = {
+        "ours": {"wall": [], "first": []},
+        "floor": {"wall": [], "first": []},
+    }
     for i in range(args.repeats):
         for side in ("ours", "floor") if i % 2 == 0 else ("floor", "ours"):
             if side == "ours":

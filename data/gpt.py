@@ -197,7 +197,9 @@ def dataset_documents(spec: str, field: str) -> Iterator[str]:
     try:
         from datasets import load_dataset
     except ImportError:
-        raise UserError("--dataset needs the 'datasets' package: pip install 'wikipretrain[datasets]'") from None
+        raise UserError(
+            "--dataset needs the 'datasets' package: pip install 'wikipretrain[datasets]'"
+        ) from None
 
     files = _dataset_files(spec)
     builder = DATASET_BUILDERS[files[0].suffix]

@@ -143,7 +143,9 @@ class _Collectives:
         raise RuntimeError(f"no implementation of {op} works on this backend")
 
 
-def _bench_one(fn: Callable[[], None], iters: int, warmup: int, budget_s: float, sync: Callable) -> tuple[float, int]:
+def _bench_one(
+    fn: Callable[[], None], iters: int, warmup: int, budget_s: float, sync: Callable
+) -> tuple[float, int]:
     """Mean seconds per call (slowest rank) and the iteration count used."""
     from training import collectives
 

@@ -108,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"MLM baseline: always predicting token {token} scores {baseline:.4f} on the held-out samples")
         from common.atomic import atomic_write_json
 
-        atomic_write_json(out.with_suffix(".json"), {"mlm_majority_token": token, "mlm_majority_accuracy": baseline})
+        atomic_write_json(
+            out.with_suffix(".json"), {"mlm_majority_token": token, "mlm_majority_accuracy": baseline}
+        )
     print(f"wrote {plot(args.run_dir, out, baseline)}")
     return 0

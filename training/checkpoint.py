@@ -252,7 +252,9 @@ def _find(section: CheckpointSection, ckpt_dir: Path) -> tuple[Path, str | None]
         return ckpt_dir, tag
     if resume == "never":
         if complete_tags(ckpt_dir):
-            raise UserError(f"{ckpt_dir} already holds checkpoints and checkpoint.resume=never; use another run.dir")
+            raise UserError(
+                f"{ckpt_dir} already holds checkpoints and checkpoint.resume=never; use another run.dir"
+            )
         return ckpt_dir, None
     return resolve(Path(resume), "checkpoint.resume")
 

@@ -352,7 +352,9 @@ class Trainer:
 
     def save(self) -> str:
         t0 = time.perf_counter()
-        tag = checkpoint.save(self.engine, self.ckpt_dir, self.state.step, self.client_state(), self.ckpt.keep)
+        tag = checkpoint.save(
+            self.engine, self.ckpt_dir, self.state.step, self.client_state(), self.ckpt.keep
+        )
         self.clock.save_s += time.perf_counter() - t0
         self._last_saved = self.state.step
         log.info(f"saved checkpoint {self.ckpt_dir / tag}")
