@@ -1,8 +1,9 @@
 """The training loop: a thin, stateful trainer around a DeepSpeed engine.
 
 ``Trainer.train()`` runs optimizer steps until ``train.steps``, ``train.stop_at_step`` or a stop request
-(SIGTERM), logging on rank 0, evaluating and checkpointing every K steps. Everything needed to continue exactly
-(step, samples, tokens, loader position, RNG states) goes into the checkpoint; ``close()`` always runs.
+(SIGTERM), logging on rank 0, evaluating and checkpointing every K steps. Everything needed to continue
+exactly (step, samples, tokens, loader position, RNG states) goes into the checkpoint; ``close()`` always
+runs.
 
 Host synchronisation. Inside a step nothing waits for the device: the micro-batch losses are summed on the
 device. At the end of a step one collective carries the step's loss pieces and the stop flag; its result is
@@ -98,6 +99,10 @@ class Clock:
         synchronize()
         return self.window_s + time.perf_counter() - self._open
 
+    def steps_outside(self, t_loop: float) -> float:
+        """Training time since the loop began that no other phase (evaluation, saving, logging) holds."""
+        return time.perf_counter() - t_loop - self.eval_s - self.save_s - self.log_s
+
     def breakdown(self) -> dict[str, float]:
         return {
             "warmup_s": self.warmup_s,
@@ -120,7 +125,8 @@ class StopRequest:
 
 
 class StepReduction:
-    """Per step, one collective of [loss pieces..., stop flag]; read on the host without stalling the device."""
+    """Per step, one collective of [loss pieces..., stop flag]; read on the host without stalling the
+    device."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -378,7 +384,7 @@ class Trainer:
         while self.state.step < cfg.steps:
             if not self.clock.running and self.state.step >= warm_until:
                 self.clock.open()
-                self.clock.warmup_s = time.perf_counter() - t_loop
+                self.clock.warmup_s = self.clock.steps_outside(t_loop)
             lr = self.train_step(reduction)
             step = self.state.step
             if self.clock.running:
@@ -414,6 +420,8 @@ class Trainer:
                 log.warning(f"SIGTERM: stopping after step {step}")
                 stopped = "sigterm"
                 break
+        if self.clock.measured_steps == 0:  # every step was a warm-up step
+            self.clock.warmup_s = self.clock.steps_outside(t_loop)
         self.clock.close()
         reduction.read()
         if reduction.values and reduction.step == self.state.step:
