@@ -35,7 +35,8 @@ def run(cfg: Config) -> int:
     from common.cluster import node_count
     from model.flops import training_flops_per_token
     from model.registry import family_of, get_spec, spec_to_dict
-    from training import checkpoint, collectives, devices, engine as ds_engine
+    from training import checkpoint, collectives, devices
+    from training import engine as ds_engine
     from training.build import build_engine, open_data, scalar_attrs, seed_everything
     from training.metrics import RunSummary, config_fingerprint
     from training.trainer import (
@@ -88,7 +89,8 @@ def run(cfg: Config) -> int:
     if peak is not None:  # ranks of one job report one MFU: the best peak any of them measured
         peak = collectives.all_reduce_values([peak], "max")[0]
     trainer = Trainer(
-        engine, data.loader, eval_set=data.eval_set, train=cfg.train, logging=cfg.logging, ckpt=cfg.checkpoint,
+        engine, data.loader, eval_set=data.eval_set, train=cfg.train, logging=cfg.logging,
+        ckpt=cfg.checkpoint,
         grad_accum=grad_accum, seq_len=cfg.data.seq_len, flops_per_token=flops,
         peak_flops=peak, run_dir=run_dir,
         ckpt_dir=ckpt_dir, client_static=client_static, attempt=next_attempt(run_dir, rank),
@@ -121,7 +123,8 @@ def run(cfg: Config) -> int:
             summary = RunSummary(
                 model=spec.name, family=spec.family, world_size=world, nodes=node_count(), device_kind=device,
                 device_count=world, threads_per_rank=_threads(), precision=cfg.deepspeed.precision,
-                zero_stage=zero_stage, zero_stage_requested=cfg.deepspeed.zero_stage, optimizer=cfg.optimizer.name,
+                zero_stage=zero_stage, zero_stage_requested=cfg.deepspeed.zero_stage,
+                optimizer=cfg.optimizer.name,
                 micro_batch=cfg.train.micro_batch, global_batch=cfg.train.global_batch, grad_accum=grad_accum,
                 seq_len=cfg.data.seq_len, steps=st.step, samples=st.samples, tokens=st.tokens,
                 flops_per_token=flops, peak_flops_per_device=trainer.peak_flops, attempt=trainer.attempt,
@@ -130,8 +133,8 @@ def run(cfg: Config) -> int:
                 evaluation=trainer.last_eval, wall_time_s=process_age_s(), **perf,
             )  # fmt: skip
             atomic_write_json(run_dir / "summary.json", summary.to_dict())
-            shown = {k: summary.to_dict().get(k) for k in ("model", "world_size", "steps", "sequences_per_sec",
-                                                          "tokens_per_sec", "mfu")}  # fmt: skip
+            keys = ("model", "world_size", "steps", "sequences_per_sec", "tokens_per_sec", "mfu")
+            shown = {k: summary.to_dict().get(k) for k in keys}
             log.info("summary: " + json.dumps(shown))
     finally:
         trainer.close()

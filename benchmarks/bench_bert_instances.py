@@ -1,14 +1,15 @@
-"""BERT instance creation: ``python -m data bert`` vs NVIDIA's ``create_pretraining_data.py``, same text, vocab,
-settings and machine, measured in the same run.
+"""BERT instance creation: ``python -m data bert`` vs NVIDIA's ``create_pretraining_data.py``, same text,
+vocab, settings and machine, measured in the same run.
 
     python benchmarks/bench_bert_instances.py [--copies 20] [--peer-dir /tmp/peers/nvidia-bert]
 
 Needs: the real BERT vocab (``../shared/data/bert-base-uncased-vocab.txt`` or ``--vocab``), and the peer
-(NVIDIA DeepLearningExamples ``PyTorch/LanguageModeling/BERT/{create_pretraining_data,tokenization,file_utils}.py``)
-in ``--peer-dir`` with a Python that has h5py/numpy/tqdm/six/boto3/requests (``--peer-python``). The corpus is
-the enwiki sample from the gensim wheel, extracted by ``data.wiki`` and repeated ``--copies`` times (20 copies
-~ 10.6M WordPiece tokens). Repetition flatters our chunk cache, so the single-copy corpus is measured too.
-Wall time of each whole command (start-up included) and peak RSS of its largest process are reported.
+(NVIDIA DeepLearningExamples
+``PyTorch/LanguageModeling/BERT/{create_pretraining_data,tokenization,file_utils}.py``) in ``--peer-dir``
+with a Python that has h5py/numpy/tqdm/six/boto3/requests (``--peer-python``). The corpus is the enwiki
+sample from the gensim wheel, extracted by ``data.wiki`` and repeated ``--copies`` times (20 copies ~ 10.6M
+WordPiece tokens). Repetition flatters our chunk cache, so the single-copy corpus is measured too. Wall time
+of each whole command (start-up included) and peak RSS of its largest process are reported.
 """
 
 from __future__ import annotations
@@ -40,10 +41,9 @@ SETTINGS = {
 def timed(cmd: list[str], cwd: Path | None = None) -> tuple[float, int, str]:
     """Run a command; (wall seconds, peak RSS MiB of its largest process, stdout)."""
     wrapper = (
-        "import resource, subprocess, sys, time; t=time.perf_counter(); "
-        "p=subprocess.run(sys.argv[1:], capture_output=True, text=True); "
-        "sys.stderr.write(p.stderr[-3000:]); print(p.stdout); "
-        "print('@@', time.perf_counter()-t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, p.returncode)"
+        "import resource, subprocess, sys, time; t=time.perf_counter(); p=subprocess.run(sys.argv[1:], "
+        "capture_output=True, text=True); sys.stderr.write(p.stderr[-3000:]); print(p.stdout); print('@@', "
+        "time.perf_counter()-t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, p.returncode)"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
     p = subprocess.run(
@@ -77,8 +77,8 @@ def make_corpus(work: Path, copies: int) -> tuple[Path, Path]:
 
 
 def ours(corpus: Path, vocab: Path, out: Path, workers: int, shards: int) -> dict:
-    cmd = [sys.executable, "-m", "data", "bert", "--text", str(corpus), "--vocab", str(vocab), "--out", str(out),
-           "--seq-len", str(SETTINGS["seq_len"]), "--max-pred", str(SETTINGS["max_pred"]),
+    cmd = [sys.executable, "-m", "data", "bert", "--text", str(corpus), "--vocab", str(vocab), "--out",
+           str(out), "--seq-len", str(SETTINGS["seq_len"]), "--max-pred", str(SETTINGS["max_pred"]),
            "--dupe-factor", str(SETTINGS["dupe_factor"]), "--masked-lm-prob", str(SETTINGS["masked_lm_prob"]),
            "--short-seq-prob", str(SETTINGS["short_seq_prob"]), "--seed", str(SETTINGS["seed"]),
            "--workers", str(workers), "--shards", str(shards), "--overwrite", "--no-progress"]  # fmt: skip
@@ -93,11 +93,12 @@ def ours(corpus: Path, vocab: Path, out: Path, workers: int, shards: int) -> dic
 
 
 def peer(corpus: Path, vocab: Path, out: Path, peer_dir: Path, peer_python: str) -> dict:
-    cmd = [peer_python, str(peer_dir / "create_pretraining_data.py"), "--vocab_file", str(vocab), "--input_file", str(corpus),
-           "--output_file", str(out), "--max_seq_length", str(SETTINGS["seq_len"]),
-           "--max_predictions_per_seq", str(SETTINGS["max_pred"]), "--dupe_factor", str(SETTINGS["dupe_factor"]),
-           "--masked_lm_prob", str(SETTINGS["masked_lm_prob"]), "--short_seq_prob", str(SETTINGS["short_seq_prob"]),
-           "--random_seed", str(SETTINGS["seed"]), "--do_lower_case"]  # fmt: skip
+    cmd = [peer_python, str(peer_dir / "create_pretraining_data.py"), "--vocab_file", str(vocab),
+           "--input_file", str(corpus), "--output_file", str(out), "--max_seq_length",
+           str(SETTINGS["seq_len"]), "--max_predictions_per_seq", str(SETTINGS["max_pred"]), "--dupe_factor",
+           str(SETTINGS["dupe_factor"]), "--masked_lm_prob", str(SETTINGS["masked_lm_prob"]),
+           "--short_seq_prob", str(SETTINGS["short_seq_prob"]), "--random_seed", str(SETTINGS["seed"]),
+           "--do_lower_case"]  # fmt: skip
     secs, rss, _ = timed(cmd, cwd=peer_dir)
     with h5py.File(out) as f:
         n = len(f["input_ids"])
@@ -142,10 +143,12 @@ def main() -> int:
                 if name in res:
                     r = res[name]
                     rows.append((label, name, r["instances"], tokens, r["seconds"], r["rss_mib"]))
-    print(f"\nBERT instances, seq {SETTINGS['seq_len']}, max_pred {SETTINGS['max_pred']}, dupe {SETTINGS['dupe_factor']}, "
+    print(f"\nBERT instances, seq {SETTINGS['seq_len']}, max_pred {SETTINGS['max_pred']}, "
+          f"dupe {SETTINGS['dupe_factor']}, "
           f"{os.cpu_count()} CPUs, load avg at end {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(
-        f"{'corpus':<12} {'program':<28} {'instances':>10} {'tokens':>10} {'seconds':>8} {'inst/s':>9} {'tokens/s':>10} {'x peer':>7} {'peak RSS':>9}"
+        f"{'corpus':<12} {'program':<28} {'instances':>10} {'tokens':>10} {'seconds':>8} {'inst/s':>9} "
+        f"{'tokens/s':>10} {'x peer':>7} {'peak RSS':>9}"
     )
     names = {
         "peer": "NVIDIA create_pretraining",
@@ -156,7 +159,8 @@ def main() -> int:
         peer_r = results[label].get("peer")
         speed = f"{(inst / secs) / (peer_r['instances'] / peer_r['seconds']):.1f}" if peer_r else "-"
         print(
-            f"{label:<12} {names[name]:<28} {inst:>10} {tok:>10} {secs:>8.1f} {inst / secs:>9.0f} {tok / secs:>10.0f} {speed:>7} {rss:>8}M"
+            f"{label:<12} {names[name]:<28} {inst:>10} {tok:>10} {secs:>8.1f} {inst / secs:>9.0f} "
+            f"{tok / secs:>10.0f} {speed:>7} {rss:>8}M"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

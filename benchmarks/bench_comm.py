@@ -1,9 +1,10 @@
-"""Collective bandwidth through ``deepspeed.comm`` (ours) beside the same calls on ``torch.distributed`` (peer).
+"""Collective bandwidth through ``deepspeed.comm`` (ours) beside the same calls on ``torch.distributed``
+(peer).
 
-Both are measured in this run, on the same ranks, sizes and iteration counts, by ``python -m launch commbench``
-(``--api deepspeed`` then ``--api torch``); the table prints bus bandwidth side by side. On a GPU cluster the
-reference peer is nccl-tests (``all_reduce_perf -b 1K -e 256M -f 4 -g 1`` under mpirun, one process per GPU),
-which uses the same algbw/busbw conventions.
+Both are measured in this run, on the same ranks, sizes and iteration counts, by ``python -m launch
+commbench`` (``--api deepspeed`` then ``--api torch``); the table prints bus bandwidth side by side. On a GPU
+cluster the reference peer is nccl-tests (``all_reduce_perf -b 1K -e 256M -f 4 -g 1`` under mpirun, one
+process per GPU), which uses the same algbw/busbw conventions.
 
     python benchmarks/bench_comm.py --ranks 2 --sizes 1K..256M        # this machine, CPU ranks (gloo)
 """
@@ -41,10 +42,12 @@ def main() -> int:
         ours = measure("deepspeed", args.ranks, args.sizes, args.iters, Path(tmp) / "ds.json")
         peer = measure("torch", args.ranks, args.sizes, args.iters, Path(tmp) / "torch.json")
     print(
-        f"{args.ranks} ranks, backend {ours['backend']}, device {ours['device']}, float32, nccl-tests conventions"
+        f"{args.ranks} ranks, backend {ours['backend']}, device "
+        f"{ours['device']}, float32, nccl-tests conventions"
     )
     print(
-        f"{'op':<15}{'size':>8}{'busbw MB/s deepspeed.comm':>28}{'busbw MB/s torch.distributed':>31}{'ratio':>8}"
+        f"{'op':<15}{'size':>8}{'busbw MB/s deepspeed.comm':>28}"
+        f"{'busbw MB/s torch.distributed':>31}{'ratio':>8}"
     )
     from launch.commbench import fmt_bytes
 
@@ -53,8 +56,8 @@ def main() -> int:
         q = peer_by_key[(r["op"], r["bytes"])]
         ratio = r["busbw_Bps"] / q["busbw_Bps"]
         print(
-            f"{r['op']:<15}{fmt_bytes(r['bytes']):>8}{r['busbw_Bps'] / 1e6:>28.1f}{q['busbw_Bps'] / 1e6:>31.1f}"
-            f"{ratio:>8.2f}"
+            f"{r['op']:<15}{fmt_bytes(r['bytes']):>8}{r['busbw_Bps'] / 1e6:>28.1f}"
+            f"{q['busbw_Bps'] / 1e6:>31.1f}{ratio:>8.2f}"
         )
     return 0
 

@@ -145,7 +145,8 @@ def part2(steps: int) -> None:
     )
     print(f"{'training step s':>16}{'norm all-reduces s':>20}{'share':>8}")
     print(
-        f"{statistics.median(step_t):>16.3f}{statistics.median(comm_t):>20.5f}{100 * statistics.median(frac):>7.2f}%"
+        f"{statistics.median(step_t):>16.3f}{statistics.median(comm_t):>20.5f}"
+        f"{100 * statistics.median(frac):>7.2f}%"
     )
 
 

@@ -1,6 +1,7 @@
 """PretrainingLoader throughput (samples/s per process) and peak RSS on a small and a 10x larger BERT shard,
-with our lzf shards, uncompressed shards and NVIDIA-style gzip shards; peer: NVIDIA's HDF5 ``pretraining_dataset``
-(the whole shard loaded into memory, then one sample at a time under a torch DataLoader with a RandomSampler), measured in the same run on the same files.
+with our lzf shards, uncompressed shards and NVIDIA-style gzip shards; peer: NVIDIA's HDF5
+``pretraining_dataset`` (the whole shard loaded into memory, then one sample at a time under a torch
+DataLoader with a RandomSampler), measured in the same run on the same files.
 
     python benchmarks/bench_loader.py [--micro-batch 64] [--seconds 4]
 
@@ -47,9 +48,9 @@ def run_ours(path: str, workers: int, mb: int, seconds: float) -> dict:
 
 
 def run_peer(path: str, workers: int, mb: int, seconds: float) -> dict:
-    """NVIDIA's HDF5 ``pretraining_dataset`` (run_pretraining.py before its switch to parquet; the same class is
-    in ``distillation/utils/data_utils.py``): loads the whole shard with ``f[key][:]``, then indexes one sample
-    at a time under a DataLoader with a RandomSampler."""
+    """NVIDIA's HDF5 ``pretraining_dataset`` (run_pretraining.py before its switch to parquet; the same class
+    is in ``distillation/utils/data_utils.py``): loads the whole shard with ``f[key][:]``, then indexes one
+    sample at a time under a DataLoader with a RandomSampler."""
     import torch
     from torch.utils.data import DataLoader, Dataset, RandomSampler
 
@@ -127,8 +128,9 @@ def build_shards(work: Path) -> dict[str, Path]:
     vocab_path = REPO.parent / "shared" / "data" / "bert-base-uncased-vocab.txt"
     vocab = vocab_path if vocab_path.exists() else train_wordpiece(text, work / "vocab.txt", 8000)
     out = work / "bert"
-    subprocess.run([sys.executable, "-m", "data", "bert", "--text", str(text), "--vocab", str(vocab), "--out", str(out),
-                    "--shards", "1", "--no-progress"], check=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))  # fmt: skip
+    subprocess.run([sys.executable, "-m", "data", "bert", "--text", str(text), "--vocab", str(vocab), "--out",
+                    str(out), "--shards", "1", "--no-progress"],
+                   check=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))  # fmt: skip
     small = out / "bert-00000.h5"
     files = {"small lzf": small}
     with h5py.File(small) as src:
@@ -177,15 +179,18 @@ def main() -> int:
                 r = measure(kind, path, workers, args.micro_batch, args.seconds)
                 rows.append((label, n, size, kind, workers, r))
     print(
-        f"\nBERT seq 128 loader, micro-batch {args.micro_batch}, {os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f}"
+        f"\nBERT seq 128 loader, micro-batch {args.micro_batch}, {os.cpu_count()} CPUs, load avg "
+        f"{os.getloadavg()[0]:.1f}"
     )
     print(
-        f"{'shard':<16} {'samples':>8} {'MiB':>6} {'loader':<26} {'workers':>7} {'samples/s':>10} {'peak RSS MiB':>13} {'growth MiB':>11} {'buffer rows':>12}"
+        f"{'shard':<16} {'samples':>8} {'MiB':>6} {'loader':<26} {'workers':>7} {'samples/s':>10} "
+        f"{'peak RSS MiB':>13} {'growth MiB':>11} {'buffer rows':>12}"
     )
     for label, n, size, kind, workers, r in rows:
         name = "PretrainingLoader" if kind == "ours" else "NVIDIA pretraining_dataset"
         print(
-            f"{label:<16} {n:>8} {size:>6.1f} {name:<26} {workers:>7} {r['samples_per_s']:>10.0f} {r['peak_rss_mib']:>13.0f} {r['rss_growth_mib']:>11.0f} {r['buffer_samples']:>12}"
+            f"{label:<16} {n:>8} {size:>6.1f} {name:<26} {workers:>7} {r['samples_per_s']:>10.0f} "
+            f"{r['peak_rss_mib']:>13.0f} {r['rss_growth_mib']:>11.0f} {r['buffer_samples']:>12}"
         )
     return 0
 

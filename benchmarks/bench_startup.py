@@ -1,13 +1,15 @@
-"""Start-up time of a 2-rank CPU launch: ``train.py`` beside the floor (``startup_floor.py``), in the same run.
+"""Start-up time of a 2-rank CPU launch: ``train.py`` beside the floor (``startup_floor.py``), in the same
+run.
 
-CI starts DeepSpeed dozens of times, and a user waits for the first step line. Each side is started through the
-DeepSpeed launcher (2 CPU ranks, gloo) ``--repeats`` times, interleaved. Figures per side:
+CI starts DeepSpeed dozens of times, and a user waits for the first step line. Each side is started through
+the DeepSpeed launcher (2 CPU ranks, gloo) ``--repeats`` times, interleaved. Figures per side:
 
 * ``launch->exit``: wall time of the whole ``deepspeed`` command (launcher, two ranks, teardown);
 * ``process->first step``: rank 0's age when its first training step begins: ``startup_s`` from train.py's
   summary; for the floor, its age after one full step (so the floor is if anything generous to the peer).
 
-ours runs ``train.steps=1`` of ``bert-debug`` (same shape as the floor's model) on shards built from the sample.
+ours runs ``train.steps=1`` of ``bert-debug`` (same shape as the floor's model) on shards built from the
+sample.
 
     python benchmarks/bench_startup.py --repeats 3
 """
@@ -37,7 +39,8 @@ def build_data(work: Path) -> dict[str, Path]:
     py, out = sys.executable, {"vocab": work / "vocab.txt", "train": work / "bert"}
     if not (out["train"] / "manifest.json").exists():
         for cmd in (
-            [py, "-m", "data", "wiki", str(sample_dump_path()), "--out", str(work / "text"), "--workers", "2"],
+            [py, "-m", "data", "wiki", str(sample_dump_path()), "--out", str(work / "text"), "--workers",
+             "2"],
             [py, "-m", "data", "vocab", str(work / "text"), "--out", str(out["vocab"]), "--size", "8000"],
             [py, "-m", "data", "bert", "--text", str(work / "text"), "--vocab", str(out["vocab"]), "--out",
              str(out["train"]), "--seq-len", "128", "--max-pred", "20", "--workers", "2", "--no-progress"],
@@ -73,8 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                 run_dir = args.work / f"run{i}"
                 cmd = [*launcher(29650 + i), "train.py", "--config", "smoke", f"run.dir={run_dir}",
                        f"data.train={data['train']}", "data.eval=null", f"data.vocab={data['vocab']}",
-                       "train.steps=1", "logging.warmup_steps=0", "checkpoint.every=0", "checkpoint.resume=never",
-                       "deepspeed.precision=fp32"]  # fmt: skip
+                       "train.steps=1", "logging.warmup_steps=0", "checkpoint.every=0",
+                       "checkpoint.resume=never", "deepspeed.precision=fp32"]  # fmt: skip
                 subprocess.run(["rm", "-rf", str(run_dir)], check=True)
                 wall, _ = run_once(cmd, env)
                 first = json.loads((run_dir / "summary.json").read_text())["startup_s"]
@@ -86,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {side:<5} launch->exit {wall:6.1f} s   process->first step {first:6.1f} s", flush=True)
     med = {s: {k: statistics.median(v) for k, v in r.items()} for s, r in results.items()}
     print(f"\nmedians of {args.repeats} ({'interleaved'}):")
-    print(f"| | ours (train.py) | floor (bare DeepSpeed) | ratio |\n|---|---|---|---|")
+    print("| | ours (train.py) | floor (bare DeepSpeed) | ratio |\n|---|---|---|---|")
     for key, label in (("wall", "launch -> exit"), ("first", "process -> first step")):
         print(f"| {label} | {med['ours'][key]:.1f} s | {med['floor'][key]:.1f} s | "
               f"{med['ours'][key] / med['floor'][key]:.2f}x |")  # fmt: skip

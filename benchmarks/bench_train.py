@@ -1,4 +1,5 @@
-"""Training throughput on CPU: our ``train.py`` (DeepSpeed, BF16, sparse MLM head) beside Hugging Face ``Trainer``.
+"""Training throughput on CPU: our ``train.py`` (DeepSpeed, BF16, sparse MLM head) beside Hugging Face
+``Trainer``.
 
 Same machine, same run, same HDF5 shards (built from the enwiki sample with our CLIs), same model shapes
 (``model.bert.hf_config`` / ``model.neox.hf_config`` of the registry size), same micro and global batch,
@@ -6,13 +7,14 @@ sequence length, BF16, AdamW (the Trainer's default optimizer, ``adamw_torch_fus
 (foreach) under DeepSpeed's BF16 optimizer), lr 5e-4, 10% linear warm-up then cosine to 0, weight decay
 0.01, gradient clipping 1.0, one DataLoader worker, one process with the same torch thread count.
 
-* ours: ``train.py`` on one process (DeepSpeed ZeRO stage 0, which runs as stage 1 under BF16), started through
-  ``benchmarks/bench_train_ours.py`` (train.py unchanged, plus the CPU time of its throughput window); the
-  figure is ``sequences_per_sec`` of RUN_DIR/summary.json (steps after ``--warmup`` excluded); MFU against the
-  CPU matmul peak ``train.py`` uses (``peak_flops_per_device``: the fastest of the run's compute dtypes, cached).
-* peer: ``benchmarks/bench_train_hf.py``: ``Trainer`` with ``BertForPreTraining`` (MLM head over every position)
-  or ``GPTNeoXForCausalLM`` (``labels=input_ids``), timed by a callback from the end of step ``--warmup`` to
-  the end of the last step.
+* ours: ``train.py`` on one process (DeepSpeed ZeRO stage 0, which runs as stage 1 under BF16), started
+  through ``benchmarks/bench_train_ours.py`` (train.py unchanged, plus the CPU time of its throughput
+  window); the figure is ``sequences_per_sec`` of RUN_DIR/summary.json (steps after ``--warmup`` excluded);
+  MFU against the CPU matmul peak ``train.py`` uses (``peak_flops_per_device``: the fastest of the run's
+  compute dtypes, cached).
+* peer: ``benchmarks/bench_train_hf.py``: ``Trainer`` with ``BertForPreTraining`` (MLM head over every
+  position) or ``GPTNeoXForCausalLM`` (``labels=input_ids``), timed by a callback from the end of step
+  ``--warmup`` to the end of the last step.
 
 Both sides also report sequences per CPU-second of the training process over the same window: with other jobs
 on the same cores, wall-clock figures swing by 2x between runs, CPU-time figures much less. One thread per
@@ -22,12 +24,14 @@ descheduled thread).
 Each (model, side) is measured ``--repeats`` times, the two sides interleaved with alternating order (other
 processes share the CPU); the table shows the medians. Targets (from the issue): BERT >= 1.5x, GPT-NeoX >= 1x.
 
-    python benchmarks/bench_train.py                               # 3 models x 2 sides x 2 repeats, ~6 min idle
+    python benchmarks/bench_train.py                               # 3 models x 2 sides x 2 repeats, ~6 min
+    idle
     python benchmarks/bench_train.py --models bert-debug --repeats 3 --two-ranks
     python benchmarks/bench_train.py --peer-site /tmp/peers/hf_trainer/site   # accelerate installed there
 
-``Trainer`` needs ``accelerate`` (>= 1.1), which the project does not depend on: ``pip install accelerate``, or
-``pip install --no-deps --target DIR accelerate`` and ``--peer-site DIR`` (only the peer's process sees it).
+``Trainer`` needs ``accelerate`` (>= 1.1), which the project does not depend on: ``pip install accelerate``,
+or ``pip install --no-deps --target DIR accelerate`` and ``--peer-site DIR`` (only the peer's process sees
+it).
 """
 
 from __future__ import annotations
@@ -138,7 +142,8 @@ def run_logged(cmd: list[str], log_path: Path, env: dict[str, str], what: str) -
 
 
 def build_data(work: Path, args: argparse.Namespace) -> dict[str, Path]:
-    """Text, WordPiece vocab, BPE tokenizer, BERT and GPT shards from the enwiki sample (reused when present)."""
+    """Text, WordPiece vocab, BPE tokenizer, BERT and GPT shards from the enwiki sample (reused when
+    present)."""
     from data.sample import sample_dump_path
 
     py = sys.executable
@@ -418,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 results[m][side].append(rec)
                 log.info(
-                    f"{tag}: {rec['sequences_per_sec']:.1f} seq/s, {rec.get('sequences_per_cpu_sec', 0):.1f} seq/CPU-s (run {rec['wall_s']:.0f}s)"
+                    f"{tag}: {rec['sequences_per_sec']:.1f} seq/s, "
+                    f"{rec.get('sequences_per_cpu_sec', 0):.1f} seq/CPU-s (run {rec['wall_s']:.0f}s)"
                 )
             if args.two_ranks:
                 rec = run_ours(m, fam, paths, args, f"{m}-ours2x1-r{rep}", ports, ranks=2)
@@ -458,9 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         f"\nTraining throughput, CPU, BF16, 1 process x {args.threads} thread(s) each side, global batch "
         f"{args.global_batch}, AdamW; {args.steps} measured steps after {args.warmup} warm-up; median of "
         f"{args.repeats} interleaved runs (individual runs in parentheses). Peer: transformers.Trainer "
-        f"(optim={peer_opt}); ours: train.py, DeepSpeed ZeRO-0 (BF16 optimizer). seq/CPU-s: sequences per CPU "
-        f"second of the training process in the same window (less sensitive to other load). "
-        f"Wall {time.perf_counter() - t_start:.0f}s.\n"
+        f"(optim={peer_opt}); ours: train.py, DeepSpeed ZeRO-0 (BF16 optimizer). seq/CPU-s: sequences per "
+        "CPU second of the training process in the same window (less sensitive to other load). Wall "
+        f"{time.perf_counter() - t_start:.0f}s.\n"
     )
     print(table(rows, args))
     if args.json:

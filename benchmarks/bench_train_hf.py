@@ -1,11 +1,12 @@
-"""The peer of ``bench_train.py``: Hugging Face ``transformers.Trainer`` on our HDF5 shards, one process, CPU, BF16.
+"""The peer of ``bench_train.py``: Hugging Face ``transformers.Trainer`` on our HDF5 shards, one process,
+CPU, BF16.
 
 BERT runs as ``BertForPreTraining`` (MLM head over every position, dense ``labels`` with -100 except at the
 masked positions, ``next_sentence_label``); GPT-NeoX as ``GPTNeoXForCausalLM`` with ``labels=input_ids``. The
 Hugging Face configs are built from our registry (``model.bert.hf_config`` / ``model.neox.hf_config``), so the
 weights are the same shapes as in ``train.py``. A ``TrainerCallback`` starts the clock after ``--warmup``
-optimizer steps and stops it after the last one (no evaluation, no saving); one JSON line goes to ``--out``, with
-the process CPU time of the same window (this process only; the DataLoader worker is another process).
+optimizer steps and stops it after the last one (no evaluation, no saving); one JSON line goes to ``--out``,
+with the process CPU time of the same window (this process only; the DataLoader worker is another process).
 
     python benchmarks/bench_train_hf.py --model bert-debug --data DIR --steps 35 --warmup 5 --out r.json
 
@@ -35,7 +36,8 @@ from data import h5format  # noqa: E402
 
 
 class BertShards(torch.utils.data.Dataset):
-    """Our BERT shard rows as the dense tensors ``BertForPreTraining`` takes (shards read into memory once)."""
+    """Our BERT shard rows as the dense tensors ``BertForPreTraining`` takes (shards read into memory
+    once)."""
 
     def __init__(self, path: str | Path) -> None:
         files = h5format.resolve_shards(path)
@@ -206,9 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     model = build_peer_model(args.model, vocab_size)
     if kind == "bert":
-        # BertForPreTraining takes **kwargs but ignores ``num_items_in_batch`` (its loss is a plain mean), so the
-        # Trainer would neither divide the loss by the accumulation steps nor normalise by the item count: the
-        # gradients would be grad_accum times too large. Declaring it makes the Trainer divide, as for any model.
+        # BertForPreTraining takes **kwargs but ignores ``num_items_in_batch`` (its loss is a plain mean), so
+        # the Trainer would neither divide the loss by the accumulation steps nor normalise by the item
+        # count: the gradients would be grad_accum times too large. Declaring it makes the Trainer divide, as
+        # for any model.
         model.accepts_loss_kwargs = False
         same_task_rel_diff = check_same_task(
             model, get_spec(args.model, vocab_size=vocab_size), args.data, args.micro_batch

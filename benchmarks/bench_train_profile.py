@@ -2,10 +2,11 @@
 
 The Trainer's phases are labelled (data, forward, backward, DeepSpeed ``step`` at and between accumulation
 boundaries, loss read-back) by wrapping the engine's methods, and the profiler records the steps after
-``logging.warmup_steps``. Prints the wall time per phase per optimizer step and the top operators by self time;
-writes a Chrome trace when ``--trace`` is given. Same overrides as ``train.py``:
+``logging.warmup_steps``. Prints the wall time per phase per optimizer step and the top operators by self
+time; writes a Chrome trace when ``--trace`` is given. Same overrides as ``train.py``:
 
-    python benchmarks/bench_train_profile.py --threads 1 -- model.name=bert-10m data.train=DIR data.vocab=V ...
+    python benchmarks/bench_train_profile.py --threads 1 -- model.name=bert-10m data.train=DIR data.vocab=V
+    ...
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{cfg.model.name}: {n} profiled optimizer steps, {args.threads} thread(s); per optimizer step:")
     for label, secs in sorted(PHASES.items(), key=lambda kv: -kv[1]):
         print(
-            f"  {label:<32} {1000 * secs / n:8.1f} ms  {100 * secs / total:5.1f}%  ({COUNTS[label] or n} calls)"
+            f"  {label:<32} {1000 * secs / n:8.1f} ms  "
+            f"{100 * secs / total:5.1f}%  ({COUNTS[label] or n} calls)"
         )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     if args.trace:

@@ -8,7 +8,8 @@ dump.
 
 WikiExtractor is AGPL: it runs as a separate program from its own venv and is never imported::
 
-    python -m venv /tmp/peers/wikiextractor-venv && /tmp/peers/wikiextractor-venv/bin/pip install wikiextractor
+    python -m venv /tmp/peers/wikiextractor-venv && /tmp/peers/wikiextractor-venv/bin/pip install
+    wikiextractor
     python benchmarks/bench_wiki.py --workers 1 2 --repeat 20
 """
 
@@ -159,11 +160,13 @@ def bench_cleaners() -> None:
     print("| cleaner | seconds | MB/s | residue lines /1000 |")
     print("|---|---|---|---|")
     print(
-        f"| ours clean_wikitext | {t1 - t0:.2f} | {mb / (t1 - t0):.1f} | {residue_per_1000(ours_lines)[0]:.2f} |"
+        f"| ours clean_wikitext | {t1 - t0:.2f} | {mb / (t1 - t0):.1f} | "
+        f"{residue_per_1000(ours_lines)[0]:.2f} |"
     )
     print(f"| ours split_sentences ({len(sentences)} sentences) | {t2 - t1:.2f} | {mb / (t2 - t1):.1f} | |")
     print(
-        f"| mwparserfromhell strip_code | {t3 - t2:.2f} | {mb / (t3 - t2):.1f} | {residue_per_1000(mwp_lines)[0]:.2f} |"
+        f"| mwparserfromhell strip_code | {t3 - t2:.2f} | {mb / (t3 - t2):.1f} | "
+        f"{residue_per_1000(mwp_lines)[0]:.2f} |"
     )
 
 

@@ -1,8 +1,9 @@
-"""The start-up floor, the peer of ``bench_startup.py``: the least a DeepSpeed rank must do before a first step.
+"""The start-up floor, the peer of ``bench_startup.py``: the least a DeepSpeed rank must do before a first
+step.
 
 Import torch, DeepSpeed and transformers, start the process group, build the same BERT shape with
-``transformers.BertForPreTraining``, ``deepspeed.initialize`` it (ZeRO-2, torch AdamW) and run one step on a random
-batch. No data loading, no checks, no checkpoints, no logging: what any DeepSpeed program pays.
+``transformers.BertForPreTraining``, ``deepspeed.initialize`` it (ZeRO-2, torch AdamW) and run one step on a
+random batch. No data loading, no checks, no checkpoints, no logging: what any DeepSpeed program pays.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def main() -> None:
     cfg = BertConfig(vocab_size=8000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
                      intermediate_size=512)  # fmt: skip
     model = BertForPreTraining(cfg)
-    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2},
-          "zero_allow_untested_optimizer": True}  # fmt: skip
+    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+          "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
     ids = torch.randint(0, 8000, (8, 128))

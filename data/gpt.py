@@ -1,7 +1,7 @@
 """``python -m data gpt``: documents -> one token stream with end-of-document tokens -> packed HDF5 windows.
 
-Convention (Megatron / GPT-NeoX): sample i holds ``seq_len + 1`` tokens, ``stream[i*seq_len : (i+1)*seq_len + 1]``;
-the model reads ``[:-1]`` as inputs and ``[1:]`` as targets, so consecutive samples overlap by one token
+Convention (Megatron / GPT-NeoX): sample i holds ``seq_len + 1`` tokens, ``stream[i*seq_len : (i+1)*seq_len +
+1]``; the model reads ``[:-1]`` as inputs and ``[1:]`` as targets, so consecutive samples overlap by one token
 and no target is lost. There is no padding; the tail of each shard's stream that does not fill a window
 is dropped and counted. Each output shard packs its own input shard (bounded memory, independent
 workers), so at most ``seq_len`` tokens per shard are dropped.
@@ -120,7 +120,8 @@ def tokenize_stream(tok, docs: Iterator[str], eod: int) -> tuple[np.ndarray, int
 
 
 def pack(stream: np.ndarray, seq_len: int) -> tuple[np.ndarray, int]:
-    """Windows of seq_len + 1 tokens with a one-token overlap; returns (view [N, seq_len+1], dropped tokens)."""
+    """Windows of seq_len + 1 tokens with a one-token overlap; returns (view [N, seq_len+1], dropped
+    tokens)."""
     n = max(0, (len(stream) - 1) // seq_len)
     if n == 0:
         return np.zeros((0, seq_len + 1), dtype=stream.dtype), len(stream)

@@ -148,7 +148,8 @@ def inspect_shard(path: Path, kind: str) -> ShardInfo:
         raise UserError(f"{path}: attribute format={attrs['format']!r}, expected {expected_format!r}")
     if has_attrs and int(attrs.get("format_version", 0)) > FORMAT_VERSION:
         raise UserError(
-            f"{path}: format_version={attrs['format_version']} is newer than this reader ({FORMAT_VERSION}); update the code"
+            f"{path}: format_version={attrs['format_version']} is newer than this reader "
+            f"({FORMAT_VERSION}); update the code"
         )
     # Shapes are the truth for the lengths; a disagreeing attribute means a damaged or hand-edited file.
     if kind == "bert":

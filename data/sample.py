@@ -35,5 +35,6 @@ def sample_dump_path() -> Path:
         if p.is_file():
             return p
     raise UserError(
-        f"gensim is installed but {SAMPLE_RELPATH.name} is missing from it (pip install --force-reinstall gensim)"
+        f"gensim is installed but {SAMPLE_RELPATH.name} is "
+        "missing from it (pip install --force-reinstall gensim)"
     )

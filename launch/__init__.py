@@ -1,1 +1,2 @@
-"""Scale-out: cluster environments, hostfiles, job templates, scaling sweeps and reports, collective benchmark."""
+"""Scale-out: cluster environments, hostfiles, job templates, scaling sweeps and reports, collective
+benchmark."""

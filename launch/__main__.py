@@ -1,8 +1,8 @@
 """``python -m launch {env,hostfile,render,sweep,report,commbench,curve,bundle} ...``: scale-out command line.
 
 Under the DeepSpeed launcher, ``deepspeed --num_gpus 2 --module launch commbench ...`` runs
-``python -m launch --local_rank=0 commbench ...`` in every rank: the top-level ``--local_rank`` is accepted and
-ignored (ranks read LOCAL_RANK from the environment).
+``python -m launch --local_rank=0 commbench ...`` in every rank: the top-level ``--local_rank`` is accepted
+and ignored (ranks read LOCAL_RANK from the environment).
 """
 
 from __future__ import annotations

@@ -11,13 +11,14 @@ Conventions are nccl-tests' (so figures compare with ``all_reduce_perf`` and wit
 * *size* is the bytes of the full buffer: the all-reduce tensor, the all-gather *output*, the reduce-scatter
   *input* (each rank holds size/n of the gathered or scattered data); float32 elements.
 * time = mean over ``iters`` calls after ``warmup`` calls, taken as the slowest rank's (max over ranks);
-* algbw = size / time; busbw = algbw x 2(n-1)/n for all-reduce and x (n-1)/n for all-gather and reduce-scatter.
-  Bandwidths are printed in MB/s (10^6 bytes/s) and stored in the JSON in bytes/s.
+* algbw = size / time; busbw = algbw x 2(n-1)/n for all-reduce and x (n-1)/n for all-gather and
+  reduce-scatter. Bandwidths are printed in MB/s (10^6 bytes/s) and stored in the JSON in bytes/s.
 
-Why not DeepSpeed's own suite: ``ds_bench`` in the deepspeed 0.19.8 wheel imports ``benchmarks.communication``,
-which the wheel does not ship (the suite lives in DeepSpeedExamples); that suite times with device events and
-on CPU prints "No Event support on CPU" and measures nothing, offers no gloo backend and no reduce-scatter,
-and reports all-reduce "throughput" as 2 x size / time rather than nccl-tests' algbw.
+Why not DeepSpeed's own suite: ``ds_bench`` in the deepspeed 0.19.8 wheel imports
+``benchmarks.communication``, which the wheel does not ship (the suite lives in DeepSpeedExamples); that
+suite times with device events and on CPU prints "No Event support on CPU" and measures nothing, offers no
+gloo backend and no reduce-scatter, and reports all-reduce "throughput" as 2 x size / time rather than
+nccl-tests' algbw.
 
 gloo: torch 2.13's gloo implements ``reduce_scatter_tensor`` and ``all_gather_into_tensor``. Where a backend
 lacks them we fall back to the list forms (``reduce_scatter``/``all_gather``), and finally to all-reduce plus
@@ -170,11 +171,13 @@ def _bench_one(
 
 def format_table(results: list[dict[str, Any]], world: int) -> str:
     lines = [
-        f"{'op':<15}{'size':>8}{'count':>12}{'iters':>7}{'time_us':>12}{'algbw_MB/s':>13}{'busbw_MB/s':>13}  impl",
+        f"{'op':<15}{'size':>8}{'count':>12}{'iters':>7}"
+        f"{'time_us':>12}{'algbw_MB/s':>13}{'busbw_MB/s':>13}  impl",
     ]
     for r in results:
         lines.append(
-            f"{r['op']:<15}{fmt_bytes(r['bytes']):>8}{r['count']:>12}{r['iters']:>7}{r['time_s'] * 1e6:>12.1f}"
+            f"{r['op']:<15}{fmt_bytes(r['bytes']):>8}{r['count']:>12}{r['iters']:>7}"
+            f"{r['time_s'] * 1e6:>12.1f}"
             f"{r['algbw_Bps'] / 1e6:>13.1f}{r['busbw_Bps'] / 1e6:>13.1f}  {r['impl']}"
         )
     row = [r for r in results if r["bytes"] == PUBLISHED_ROW_BYTES]
@@ -183,8 +186,8 @@ def format_table(results: list[dict[str, Any]], world: int) -> str:
         lines.append(f"32 MB row (the published table's size), {world} ranks:")
         for r in row:
             lines.append(
-                f"  {r['op']:<15} algbw {r['algbw_Bps'] / 1e6:10.1f} MB/s   busbw {r['busbw_Bps'] / 1e6:10.1f} MB/s"
-                f"   ({r['impl']})"
+                f"  {r['op']:<15} algbw {r['algbw_Bps'] / 1e6:10.1f} MB/s   busbw "
+                f"{r['busbw_Bps'] / 1e6:10.1f} MB/s   ({r['impl']})"
             )
     return "\n".join(lines)
 
@@ -263,9 +266,8 @@ def run_rank(args: argparse.Namespace) -> int:
     if rank == 0:
         hosts = sorted({(p["node_rank"], p["address"]) for p in everyone})
         print(
-            f"commbench: {world} ranks on {len(hosts)} node(s) {[a for _, a in hosts]}, backend {info['backend']},"
-            f" api {args.api},"
-            f" device {device.type}, float32",
+            f"commbench: {world} ranks on {len(hosts)} node(s) {[a for _, a in hosts]}, backend "
+            f"{info['backend']}, api {args.api}, device {device.type}, float32",
             flush=True,
         )
         print(format_table(results, world), flush=True)
@@ -282,7 +284,9 @@ def run_rank(args: argparse.Namespace) -> int:
                     "torch": torch.__version__,
                     "deepspeed": deepspeed.__version__,
                     "api": args.api,
-                    "conventions": "nccl-tests: algbw=bytes/time, busbw=algbw*2(n-1)/n (all_reduce), *(n-1)/n",
+                    "conventions": (
+                        "nccl-tests: algbw=bytes/time, busbw=algbw*2(n-1)/n (all_reduce), *(n-1)/n"
+                    ),
                     "results": results,
                 },
             )
@@ -365,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
         return launch_local(args)
     if "WORLD_SIZE" not in os.environ:
         raise UserError(
-            "commbench runs under the DeepSpeed launcher: `deepspeed --num_gpus N --module launch commbench ...`"
-            " (or add --launch-local N)"
+            "commbench runs under the DeepSpeed launcher: `deepspeed --num_gpus N --module launch commbench "
+            "...` (or add --launch-local N)"
         )
     return run_rank(args)

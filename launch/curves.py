@@ -1,8 +1,9 @@
 """``python -m launch curve RUN_DIR``: a run's learning curve as a PNG, and the baseline it must beat.
 
 The curve reads RUN_DIR/metrics.jsonl. A step re-done after a restart appears once per attempt; the latest
-attempt's row counts. BERT runs show the MLM and NSP losses apart (their sum is the total), and the held-out MLM
-accuracy beside the accuracy of always predicting the most frequent masked token of the same held-out samples.
+attempt's row counts. BERT runs show the MLM and NSP losses apart (their sum is the total), and the held-out
+MLM accuracy beside the accuracy of always predicting the most frequent masked token of the same held-out
+samples.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, help="a run directory (RUN_DIR/metrics.jsonl)")
     p.add_argument("--out", type=Path, default=None, help="PNG path (default RUN_DIR/loss_curve.png)")
     p.add_argument("--eval-data", type=Path, default=None,
-                   help="BERT: the held-out shards, to draw the most-frequent-token MLM baseline")  # fmt: skip
+                   help="BERT: the held-out shards, to draw the most-frequent-token MLM "
+                       "baseline")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

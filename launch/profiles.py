@@ -1,16 +1,18 @@
 """Cluster profiles (``configs/cluster/*.yaml``) and the ``.deepspeed_env`` file written from them.
 
 Why a file: DeepSpeed's launcher (``deepspeed/launcher/runner.py``) forwards to the other nodes only variables
-whose names start with NCCL, PYTHON, UCX, MV2, MLFLOW (plus the accelerator's own list), and the KEY=VALUE lines
-of ``.deepspeed_env`` found in ``~`` or the working directory (name overridable with ``DS_ENV_FILE``). FI_*,
-GLOO_*, LD_LIBRARY_PATH reach the remote ranks only through that file.
+whose names start with NCCL, PYTHON, UCX, MV2, MLFLOW (plus the accelerator's own list), and the KEY=VALUE
+lines of ``.deepspeed_env`` found in ``~`` or the working directory (name overridable with ``DS_ENV_FILE``).
+FI_*, GLOO_*, LD_LIBRARY_PATH reach the remote ranks only through that file.
 
 Two details of runner.py shape the format:
 
-* every line is split on the first ``=`` with no comment or blank-line handling, so the file holds nothing else;
+* every line is split on the first ``=`` with no comment or blank-line handling, so the file holds nothing
+  else;
 * with ``--no_ssh`` the runner does not read the file at all, so our job scripts also ``source`` it on every
-  node (``set -a; . .deepspeed_env; set +a``). Values are therefore restricted to characters that mean the same
-  to the shell and to the runner (pdsh exports them unquoted): no spaces, quotes, ``$``, ``;``, backticks.
+  node (``set -a; . .deepspeed_env; set +a``). Values are therefore restricted to characters that mean the
+  same to the shell and to the runner (pdsh exports them unquoted): no spaces, quotes, ``$``, ``;``,
+  backticks.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class Profile:
 
 
 def profile_path(name_or_path: str) -> Path:
-    """A profile name (``efa``) maps to ``configs/cluster/efa.yaml``; anything with a suffix or slash is a path."""
+    """A profile name (``efa``) maps to ``configs/cluster/efa.yaml``; anything with a suffix or slash is a
+    path."""
     if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
         return Path(name_or_path)
     return PROFILE_DIR / f"{name_or_path}.yaml"
@@ -138,8 +141,8 @@ def resolve_env(profile: Profile, environ: dict[str, str] | None = None) -> dict
             value = ":".join(p for p in value.split(":") if p)
         if not _SAFE_VALUE_RE.match(value):
             raise UserError(
-                f"{profile.path}: env.{var.name} expands to {value!r}, which has characters (space, quote, $, ;, "
-                "backtick, ...) that DeepSpeed's runner would pass unquoted to the shell"
+                f"{profile.path}: env.{var.name} expands to {value!r}, which has characters (space, quote, "
+                "$, ;, backtick, ...) that DeepSpeed's runner would pass unquoted to the shell"
             )
         out[var.name] = value
     return out

@@ -1,4 +1,5 @@
-"""Job templates (``launch/templates``): Slurm sbatch script, AWS Batch job definition + entrypoint, deepspeed command.
+"""Job templates (``launch/templates``): Slurm sbatch script, AWS Batch job definition + entrypoint,
+deepspeed command.
 
 Shell templates have ``{{NAME}}`` slots; every value is inserted with ``shlex.quote`` (or, for ``#SBATCH``
 lines, which the shell never parses, validated to a safe character set), and a slot left unfilled is an error.
@@ -49,7 +50,8 @@ def _positive(name: str, v: int) -> str:
 
 
 def render_slurm(args: argparse.Namespace) -> str:
-    """sbatch script: builds the hostfile from the allocation, then one ssh launcher or srun-per-node --no_ssh."""
+    """sbatch script: builds the hostfile from the allocation, then one ssh launcher or srun-per-node
+    --no_ssh."""
     q = shlex.quote
     return fill(
         (TEMPLATES / "slurm.sbatch").read_text(),

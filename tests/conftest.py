@@ -1,4 +1,5 @@
-"""Shared fixtures: the real enwiki sample (from the gensim wheel), its text, and a vocabulary built from it."""
+"""Shared fixtures: the real enwiki sample (from the gensim wheel), its text, and a vocabulary built from
+it."""
 
 from __future__ import annotations
 
@@ -80,7 +81,8 @@ def wiki_text_dir(tmp_path_factory, sample_dump) -> Path:
 
 @pytest.fixture(scope="session")
 def wiki_vocab(tmp_path_factory, wiki_text_dir) -> Path:
-    """An 8000-entry uncased WordPiece ``vocab.txt`` (bert-base layout of special tokens) built on the sample."""
+    """An 8000-entry uncased WordPiece ``vocab.txt`` (bert-base layout of special tokens) built on the
+    sample."""
     from data.vocab import train_wordpiece
 
     return train_wordpiece(wiki_text_dir, tmp_path_factory.mktemp("vocab") / "vocab.txt", 8000)

@@ -1,8 +1,8 @@
 """Two "nodes" on one machine: two network namespaces joined by a veth pair (10.77.0.1/24 <-> 10.77.0.2/24).
 
 Each namespace has its own interfaces, addresses, routes and ports, so a DeepSpeed job with one launcher per
-namespace (``deepspeed --no_ssh --node_rank R``) crosses a real network boundary, and "node 1" can be killed or
-cut off without touching node 0. Needs ``ip`` (Debian package iproute2) and CAP_NET_ADMIN (root in CI).
+namespace (``deepspeed --no_ssh --node_rank R``) crosses a real network boundary, and "node 1" can be killed
+or cut off without touching node 0. Needs ``ip`` (Debian package iproute2) and CAP_NET_ADMIN (root in CI).
 
 Names carry the pid so parallel test sessions on one machine do not collide; teardown deletes the namespaces
 (which removes the veth pair) and runs even when the test fails.
@@ -49,7 +49,8 @@ def _ip(*argv: str) -> None:
 
 @contextlib.contextmanager
 def two_nodes(tag: str = "") -> Iterator[tuple[Node, Node]]:
-    """Create ns0/ns1 joined by veth, bring everything (and ``lo``) up, yield the two nodes, always tear down."""
+    """Create ns0/ns1 joined by veth, bring everything (and ``lo``) up, yield the two nodes, always tear
+    down."""
     sfx = f"{os.getpid() % 100000}{tag}"
     nodes = (
         Node(f"wp{sfx}n0", f"wpv{sfx}a"[:15], f"{SUBNET}.1"),

@@ -42,9 +42,13 @@ def collective_calls(path: Path) -> list[str]:
                 found += [f"from {node.module} import {a.name}" for a in node.names if a.name in COLLECTIVES]
             if node.module in ("torch", "deepspeed"):
                 aliases |= {a.asname or a.name for a in node.names if a.name in ("distributed", "comm")}
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            if node.func.attr in COLLECTIVES and ast.unparse(node.func.value) in aliases | {"dist"}:
-                found.append(f"line {node.lineno}: {ast.unparse(node.func)}")
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in COLLECTIVES
+            and ast.unparse(node.func.value) in aliases | {"dist"}
+        ):
+            found.append(f"line {node.lineno}: {ast.unparse(node.func)}")
     return found
 
 
@@ -66,7 +70,8 @@ def test_the_rule_sees_a_violation(tmp_path):
     bad.write_text(
         "import torch.distributed as dist\nfrom torch import distributed as d2\n"
         "from torch.distributed import barrier\nimport torch\n"
-        "def f(t):\n    dist.all_reduce(t)\n    d2.broadcast(t, 0)\n    torch.distributed.all_gather([t], t)\n"
+        "def f(t):\n    dist.all_reduce(t)\n    d2.broadcast(t, 0)\n"
+        "    torch.distributed.all_gather([t], t)\n"
     )
     calls = collective_calls(bad)
     assert len(calls) == 4, calls

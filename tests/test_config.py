@@ -66,7 +66,8 @@ def test_gradient_accumulation_reconciled_once():
     assert gradient_accumulation(cfg.train, 128 * 8) == 1
     with pytest.raises(
         UserError,
-        match=r"train.global_batch=65536 is not divisible by train.micro_batch=64 x data-parallel world size 3 \(= 192\)",
+        match=r"train.global_batch=65536 is not divisible by train.micro_batch=64 x data-parallel world "
+        r"size 3 \(= 192\)",
     ):
         gradient_accumulation(cfg.train, 3)
     cfg = load_config(None, ["train.global_batch=64", "train.micro_batch=8", "train.grad_accum=2"])

@@ -224,8 +224,9 @@ def test_deterministic_across_workers(
             assert dict(a.attrs).keys() == dict(b.attrs).keys()
             for k in a.attrs:
                 assert np.all(a.attrs[k] == b.attrs[k]), k
-            for k in ("format", "format_version", "vocab_sha256", "vocab_size", "seq_len", "max_pred", "masked_lm_prob",
-                      "dupe_factor", "short_seq_prob", "seed", "whole_word_masking", "lowercase", "source"):  # fmt: skip
+            for k in ("format", "format_version", "vocab_sha256", "vocab_size", "seq_len", "max_pred",
+                      "masked_lm_prob", "dupe_factor", "short_seq_prob", "seed", "whole_word_masking",
+                      "lowercase", "source"):  # fmt: skip
                 assert k in a.attrs, k
     # another seed gives other instances
     bert(wiki_text_dir, wiki_vocab, tmp_path / "s8", "--dupe-factor", "2", "--shards", "3", "--seed", "8")
@@ -368,8 +369,8 @@ def test_bad_input(wiki_text_dir: Path, wiki_vocab: Path, tmp_path: Path) -> Non
 def test_rerun_after_interruption(wiki_text_dir: Path, wiki_vocab: Path, tmp_path: Path) -> None:
     """A run killed mid-way leaves temp files and shards without a manifest; the rerun starts clean."""
     out = tmp_path / "out"
-    args = ["bert", "--text", str(wiki_text_dir), "--vocab", str(wiki_vocab), "--out", str(out), "--dupe-factor", "3",
-            "--shards", "4", "--no-progress"]  # fmt: skip
+    args = ["bert", "--text", str(wiki_text_dir), "--vocab", str(wiki_vocab), "--out", str(out),
+            "--dupe-factor", "3", "--shards", "4", "--no-progress"]  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "data", *args], cwd=REPO, env=run_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     t0 = time.time()

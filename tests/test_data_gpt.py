@@ -1,4 +1,5 @@
-"""``python -m data gpt``: packing (no lost target, no padding), attributes, local datasets, the GPT loader, bad input."""
+"""``python -m data gpt``: packing (no lost target, no padding), attributes, local datasets, the GPT loader,
+bad input."""
 
 from __future__ import annotations
 
@@ -104,19 +105,27 @@ def check_packing(out: Path, text: Path, tok_path: Path, seq_len: int) -> int:
 
 def test_packing_text(wiki_text_dir: Path, bpe: Path, tmp_path: Path) -> None:
     out = tmp_path / "gpt"
-    p = data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bpe), "--out", str(out), "--seq-len", "128",
-                 "--shards", "3", "--workers", "2", "--no-progress")  # fmt: skip
+    p = data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bpe), "--out", str(out), "--seq-len",
+                 "128", "--shards", "3", "--workers", "2", "--no-progress")  # fmt: skip
     n = check_packing(out, wiki_text_dir, bpe, 128)
     assert n > 1000 and "dropped" in p.stdout
     # same windows with one worker
-    data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bpe), "--out", str(tmp_path / "w1"), "--seq-len", "128",
-             "--shards", "3", "--no-progress")  # fmt: skip
+    data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bpe), "--out", str(tmp_path / "w1"),
+             "--seq-len", "128", "--shards", "3", "--no-progress")  # fmt: skip
     for f in sorted(out.glob("*.h5")):
         with h5py.File(f) as a, h5py.File(tmp_path / "w1" / f.name) as b:
             assert np.array_equal(a["input_ids"][:], b["input_ids"][:])
     # the GPT loader: [B, seq_len + 1] long windows that are rows of the shards
-    ld = PretrainingLoader(out, "gpt", micro_batch=4, grad_accum=2, dp_rank=0, dp_world=1, num_workers=1,
-                           expect={"seq_len": 128, "tokenizer_sha256": hashlib.sha256(bpe.read_bytes()).hexdigest()})  # fmt: skip
+    ld = PretrainingLoader(
+        out,
+        "gpt",
+        micro_batch=4,
+        grad_accum=2,
+        dp_rank=0,
+        dp_world=1,
+        num_workers=1,
+        expect={"seq_len": 128, "tokenizer_sha256": hashlib.sha256(bpe.read_bytes()).hexdigest()},
+    )
     rows = {
         r.tobytes() for f in sorted(out.glob("*.h5")) for r in h5py.File(f)["input_ids"][:].astype(np.int64)
     }
@@ -141,8 +150,8 @@ def test_local_datasets_jsonl_and_parquet(wiki_text_dir: Path, bpe: Path, tmp_pa
     expected = np.concatenate([np.array(tok.encode(d, add_special_tokens=False).ids + [eod]) for d in docs])
     for src in (jsonl, parquet):
         out = tmp_path / f"out-{src.suffix[1:]}"
-        data_cli("gpt", "--dataset", str(src), "--text-field", "body", "--tokenizer", str(bpe), "--out", str(out),
-                 "--seq-len", "64", "--no-progress")  # fmt: skip
+        data_cli("gpt", "--dataset", str(src), "--text-field", "body", "--tokenizer", str(bpe), "--out",
+                 str(out), "--seq-len", "64", "--no-progress")  # fmt: skip
         with h5py.File(out / "gpt-00000.h5") as f:
             stream = windows_to_stream(f["input_ids"][:])
         assert len(stream) > 1000 and np.array_equal(stream, expected[: len(stream)])
@@ -155,8 +164,8 @@ def test_local_datasets_jsonl_and_parquet(wiki_text_dir: Path, bpe: Path, tmp_pa
 def test_real_neox_tokenizer(wiki_text_dir: Path, shared_neox_tokenizer: Path, tmp_path: Path) -> None:
     one = sorted(wiki_text_dir.rglob("*.txt"))[0]
     out = tmp_path / "neox"
-    data_cli("gpt", "--text", str(one), "--tokenizer", str(shared_neox_tokenizer), "--out", str(out), "--seq-len", "512",
-             "--no-progress")  # fmt: skip
+    data_cli("gpt", "--text", str(one), "--tokenizer", str(shared_neox_tokenizer), "--out", str(out),
+             "--seq-len", "512", "--no-progress")  # fmt: skip
     assert check_packing(out, one, shared_neox_tokenizer, 512) > 50
 
 
@@ -167,15 +176,18 @@ def test_bad_input(wiki_text_dir: Path, bpe: Path, wiki_vocab: Path, tmp_path: P
 
     no_eod = tmp_path / "wordpiece.json"
     BertWordPieceTokenizer(str(wiki_vocab)).save(str(no_eod))
-    expect_error(data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(no_eod), "--out", str(out), check=False),
+    expect_error(data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(no_eod), "--out", str(out),
+                          check=False),
                  "wordpiece.json", "end-of-document")  # fmt: skip
-    expect_error(data_cli("gpt", "--text", str(tmp_path / "missing"), "--tokenizer", str(bpe), "--out", str(out), check=False),
+    expect_error(data_cli("gpt", "--text", str(tmp_path / "missing"), "--tokenizer", str(bpe), "--out",
+                          str(out), check=False),
                  "missing")  # fmt: skip
-    expect_error(data_cli("gpt", "--dataset", str(tmp_path / "none.jsonl"), "--tokenizer", str(bpe), "--out", str(out),
-                          check=False), "none.jsonl")  # fmt: skip
+    expect_error(data_cli("gpt", "--dataset", str(tmp_path / "none.jsonl"), "--tokenizer", str(bpe), "--out",
+                          str(out), check=False), "none.jsonl")  # fmt: skip
     bad_json = tmp_path / "tok.json"
     bad_json.write_text("{not json")
-    expect_error(data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bad_json), "--out", str(out), check=False),
+    expect_error(data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bad_json), "--out",
+                          str(out), check=False),
                  "tok.json")  # fmt: skip
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -186,13 +198,14 @@ def test_bad_input(wiki_text_dir: Path, bpe: Path, wiki_vocab: Path, tmp_path: P
     )
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("One short sentence.\n")
-    expect_error(data_cli("gpt", "--text", str(tiny), "--tokenizer", str(bpe), "--out", str(out), "--seq-len", "2048",
-                          check=False), "fewer than one window")  # fmt: skip
+    expect_error(data_cli("gpt", "--text", str(tiny), "--tokenizer", str(bpe), "--out", str(out), "--seq-len",
+                          "2048", check=False), "fewer than one window")  # fmt: skip
     assert not any(out.glob("*.h5")), "no shard left behind"
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("keep")
-    expect_error(data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bpe), "--out", str(busy), check=False),
+    expect_error(data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bpe), "--out", str(busy),
+                          check=False),
                  "--overwrite")  # fmt: skip
     assert (busy / "x").read_text() == "keep"
 

@@ -159,7 +159,8 @@ def test_known_sentences_are_split_correctly(wiki_text_dir: Path) -> None:
     arts = articles_of(wiki_text_dir)
     # Anarchism is the sample's first article, so it opens shard 0.
     assert arts[0][:3] == [
-        "Anarchism is a political philosophy that advocates self-governed societies based on voluntary institutions.",
+        "Anarchism is a political philosophy that advocates "
+        "self-governed societies based on voluntary institutions.",
         "These are often described as stateless societies, although several authors have defined them more "
         "specifically as institutions based on non-hierarchical free associations.",
         "Anarchism considers the state to be undesirable, unnecessary, and harmful.",
@@ -193,7 +194,8 @@ def test_no_sentence_split_after_an_abbreviation(sample_dump: Path) -> None:
 
 
 def test_keep_disambiguation_gives_105_articles_with_text(sample_dump: Path, tmp_path: Path) -> None:
-    """The issue's count: 106 non-redirect articles, one with an empty body -> 105 with text (WikiExtractor's)."""
+    """The issue's count: 106 non-redirect articles, one with an empty body -> 105 with text
+    (WikiExtractor's)."""
     s = extract_dump([sample_dump], tmp_path / "all", workers=1, keep_disambiguation=True)
     assert (s["pages"], s["articles"], s["empty"], s["articles_written"]) == (206, 106, 1, 105)
     assert s["disambiguation"] == 0

@@ -1,7 +1,8 @@
 """The GPU tier (``pytest -m cuda``): one-GPU train.py runs under NCCL with real DeepSpeed.
 
 bert-debug and neox-debug, ZeRO 1 and 2, BF16, LANS and AdamW; checkpoint and resume with identical losses in
-deterministic mode; export. ``scripts/gpu.sh`` installs from the offline bundle and runs this tier on a GPU machine.
+deterministic mode; export. ``scripts/gpu.sh`` installs from the offline bundle and runs this tier on a GPU
+machine.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def summary(run_dir):
 @pytest.mark.parametrize("optimizer", ["lans", "adamw"])
 def test_bert_trains_on_one_gpu(bert_data, tmp_path, zero, optimizer):  # noqa: F811
     run_dir = tmp_path / "run"
-    res = deepspeed(common(bert_data, run_dir, *NCCL, f"deepspeed.zero_stage={zero}", f"optimizer.name={optimizer}",
+    res = deepspeed(common(bert_data, run_dir, *NCCL, "deepspeed.zero_stage="
+        f"{zero}", f"optimizer.name={optimizer}",
                            "deepspeed.precision=bf16"), ranks=1)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     s = summary(run_dir)
@@ -48,11 +50,12 @@ def test_bert_trains_on_one_gpu(bert_data, tmp_path, zero, optimizer):  # noqa: 
 
 def test_neox_trains_on_one_gpu(gpt_data, tmp_path):  # noqa: F811
     run_dir = tmp_path / "run"
-    args = ["--config", "smoke", "model.name=neox-debug", f"run.dir={run_dir}", f"data.train={gpt_data['train']}",
+    args = ["--config", "smoke", "model.name=neox-debug", f"run.dir={run_dir}", "data.train="
+        f"{gpt_data['train']}",
             f"data.eval={gpt_data['eval']}", f"data.vocab={gpt_data['vocab']}", "data.seq_len=128",
-            "optimizer.name=adamw", "optimizer.lr=1e-3", "schedule.kind=cosine_warmup", "deepspeed.zero_stage=2",
-            "train.steps=8", "train.global_batch=8", "train.micro_batch=4", "train.eval_samples=32",
-            "logging.every=1", "checkpoint.every=4", *NCCL]  # fmt: skip
+            "optimizer.name=adamw", "optimizer.lr=1e-3", "schedule.kind=cosine_warmup",
+            "deepspeed.zero_stage=2", "train.steps=8", "train.global_batch=8", "train.micro_batch=4",
+            "train.eval_samples=32", "logging.every=1", "checkpoint.every=4", *NCCL]  # fmt: skip
     res = deepspeed(args, ranks=1)
     assert res.returncode == 0, res.stderr[-3000:]
     s = summary(run_dir)
@@ -74,7 +77,8 @@ def test_export_from_a_gpu_run(bert_data, tmp_path):  # noqa: F811
     run_dir = tmp_path / "run"
     assert deepspeed(common(bert_data, run_dir, *NCCL), ranks=1).returncode == 0
     out = tmp_path / "hf"
-    res = subprocess.run([sys.executable, "-m", "training", "export", str(run_dir / "checkpoints"), "--out", str(out)],
+    res = subprocess.run([sys.executable, "-m", "training", "export", str(run_dir / "checkpoints"), "--out",
+                          str(out)],
                          cwd=REPO, env=run_env(), capture_output=True, text=True)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     from transformers import AutoModelForPreTraining

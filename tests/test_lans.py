@@ -404,9 +404,9 @@ def test_sum_of_squares_bound_holds_with_other_instruction_sets(env: dict[str, s
 
 
 def test_implementations_agree_and_compiled_graphs_stay_bounded() -> None:
-    """Tensors of many sizes (several 32k-element C++ work blocks, a single element), fp32 and bf16 parameters:
-    the C++ and compiled paths equal the eager foreach path, and the compiled kernels stay a bounded set of
-    graphs, never dynamo's limit (past it a kernel would silently run eagerly)."""
+    """Tensors of many sizes (several 32k-element C++ work blocks, a single element), fp32 and bf16
+    parameters: the C++ and compiled paths equal the eager foreach path, and the compiled kernels stay a
+    bounded set of graphs, never dynamo's limit (past it a kernel would silently run eagerly)."""
     torch._dynamo.reset()  # count from an empty cache (earlier tests compile small-size variants on purpose)
     lans_mod._COMPILED.clear()
     lans_mod._WARMED.clear()

@@ -42,8 +42,8 @@ def test_outside_the_launcher_is_a_one_line_error() -> None:
 def test_two_cpu_ranks_print_the_table(tmp_path: Path) -> None:
     out = tmp_path / "comm.json"
     r = subprocess.run(
-        [sys.executable, "-m", "launch", "commbench", "--launch-local", "2", "--sizes", "4K,64K,32M", "--iters", "3",
-         "--out", str(out)],
+        [sys.executable, "-m", "launch", "commbench", "--launch-local", "2", "--sizes", "4K,64K,32M",
+         "--iters", "3", "--out", str(out)],
         cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

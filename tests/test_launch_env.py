@@ -1,4 +1,5 @@
-"""Cluster profiles -> .deepspeed_env: every shipped profile loads, values are safe, the file is what runner.py reads."""
+"""Cluster profiles -> .deepspeed_env: every shipped profile loads, values are safe, the file is what
+runner.py reads."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def test_env_file_is_sourceable_and_means_the_same_to_bash(tmp_path: Path) -> No
     assert r.returncode == 0, r.stderr
     expected = dict(line.split("=", 1) for line in out.read_text().splitlines())
     printed = subprocess.run(
-        ["bash", "-c", f'set -a; . {out}; set +a; for k in {" ".join(expected)}; do printf "%s=%s\\n" "$k" "${{!k}}"; done'],
+        ["bash", "-c", f'set -a; . {out}; set +a; for k in {" ".join(expected)}; do printf "%s=%s\\n'
+            '" "$k" "${!k}"; done'],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert dict(line.split("=", 1) for line in printed.splitlines()) == expected

@@ -1,4 +1,5 @@
-"""Hostfiles: Slurm node-list expansion, validation of host names, AWS Batch registration over real sockets."""
+"""Hostfiles: Slurm node-list expansion, validation of host names, AWS Batch registration over real
+sockets."""
 
 from __future__ import annotations
 
@@ -114,6 +115,6 @@ def test_awsbatch_main_times_out_when_a_child_never_registers(tmp_path: Path) ->
     env = run_env()
     env.update(AWS_BATCH_JOB_NUM_NODES="2", AWS_BATCH_JOB_NODE_INDEX="0", AWS_BATCH_JOB_MAIN_NODE_INDEX="0")
     out = tmp_path / "hf"
-    r = _cli("--from", "awsbatch", "--slots", "8", "--port", str(free_port()), "--timeout", "2", "--ip", "127.0.0.1",
-             "--out", str(out), env=env)  # fmt: skip
+    r = _cli("--from", "awsbatch", "--slots", "8", "--port", str(free_port()), "--timeout", "2", "--ip",
+             "127.0.0.1", "--out", str(out), env=env)  # fmt: skip
     assert r.returncode == 2 and "nodes [1] did not register" in r.stderr and not out.exists()

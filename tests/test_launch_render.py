@@ -43,8 +43,8 @@ def test_slurm_script_is_valid_and_injection_safe(tmp_path: Path, mode: str) -> 
     assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
     env = dry_env(tmp_path)
     env.update(SLURM_JOB_NODELIST="node[01-02]", WP_JOB_DIR=str(tmp_path / "job"), SLURM_NODEID="0")
-    run = subprocess.run(["bash", str(out), "extra=$(touch " + str(canary) + ")"], env=env, capture_output=True,
-                         text=True, timeout=120)  # fmt: skip
+    run = subprocess.run(["bash", str(out), "extra=$(touch " + str(canary) + ")"], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert not canary.exists()
     ds_line = [line for line in run.stdout.splitlines() if line.startswith("deepspeed ")][-1]
@@ -88,8 +88,8 @@ def test_bad_job_name_is_refused(tmp_path: Path) -> None:
 
 def test_awsbatch_job_definition_and_entrypoint(tmp_path: Path) -> None:
     out = tmp_path / "jobdef.json"
-    r = render(tmp_path, "awsbatch", "--config", "configs/bert.yaml", "--nodes", "4", "--image", "acct.dkr.ecr/x:1",
-               "--out", str(out), "--", "train.steps=10")  # fmt: skip
+    r = render(tmp_path, "awsbatch", "--config", "configs/bert.yaml", "--nodes", "4", "--image",
+               "acct.dkr.ecr/x:1", "--out", str(out), "--", "train.steps=10")  # fmt: skip
     assert r.returncode == 0, r.stderr
     jd = json.loads(out.read_text())
     nodes = jd["nodeProperties"]
@@ -106,7 +106,8 @@ def test_awsbatch_job_definition_and_entrypoint(tmp_path: Path) -> None:
 
 
 def test_awsbatch_entrypoint_two_nodes_register_and_get_ranks(tmp_path: Path) -> None:
-    """Run the rendered entrypoint on two "nodes" (loopback addresses), dry-run: real registration, printed launch."""
+    """Run the rendered entrypoint on two "nodes" (loopback addresses), dry-run: real registration, printed
+    launch."""
     canary = tmp_path / "pwned"
     evil = EVIL.format(canary=canary)
     r = render(tmp_path, "awsbatch", "--config", evil, "--nodes", "2", "--image", "img", "--repo", str(REPO),
@@ -117,8 +118,10 @@ def test_awsbatch_entrypoint_two_nodes_register_and_get_ranks(tmp_path: Path) ->
     procs = []
     for index, ip in ((1, "127.0.0.2"), (0, "127.0.0.1")):
         env = dry_env(tmp_path)
-        env.update(AWS_BATCH_JOB_NUM_NODES="2", AWS_BATCH_JOB_NODE_INDEX=str(index), AWS_BATCH_JOB_MAIN_NODE_INDEX="0",
-                   WP_NODE_IP=ip, WP_REGISTRATION_PORT=port, WP_WORK=str(tmp_path / f"work{index}"))  # fmt: skip
+        env.update(AWS_BATCH_JOB_NUM_NODES="2", AWS_BATCH_JOB_NODE_INDEX=str(index),
+                   AWS_BATCH_JOB_MAIN_NODE_INDEX="0", WP_NODE_IP=ip, WP_REGISTRATION_PORT=port,
+                   WP_WORK=str(tmp_path / "work"
+                       f"{index}"))  # fmt: skip
         if index:
             env["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = "127.0.0.1"
         procs.append(subprocess.Popen(["bash", str(entry), "a=1"], env=env, stdout=subprocess.PIPE,

@@ -1,4 +1,5 @@
-"""Scaling sweep with real DeepSpeed ranks (a stand-in for train.py honouring its contract), then the report."""
+"""Scaling sweep with real DeepSpeed ranks (a stand-in for train.py honouring its contract), then the
+report."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ def _config(tmp_path: Path) -> Path:
 def test_dry_run_prints_the_contract_commands(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     r = subprocess.run(
-        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "2,1", "--steps", "7",
-         "--out", str(tmp_path / "runs"), "--threads-per-rank", "1", "--dry-run", "--", "train.lr=1e-4"],
+        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "2,1", "--steps",
+         "7", "--out", str(tmp_path / "runs"), "--threads-per-rank", "1", "--dry-run", "--", "train.lr=1e-4"],
         cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -47,8 +48,8 @@ def test_sweep_world_sizes_1_and_2_measures_efficiency(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     png = tmp_path / "scaling.png"
     r = subprocess.run(
-        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps", "8",
-         "--out", str(runs), "--script", str(STANDIN)],
+        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps",
+         "8", "--out", str(runs), "--script", str(STANDIN)],
         cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=400,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
@@ -74,8 +75,8 @@ def test_sweep_world_sizes_1_and_2_measures_efficiency(tmp_path: Path) -> None:
         assert im.size == (1100, 420)
     # a second sweep skips the sizes already measured
     again = subprocess.run(
-        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps", "8",
-         "--out", str(runs), "--script", str(STANDIN)],
+        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps",
+         "8", "--out", str(runs), "--script", str(STANDIN)],
         cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert again.returncode == 0 and again.stdout.count("skip ") == 2

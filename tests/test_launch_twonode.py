@@ -9,7 +9,8 @@ Failure behaviour checked here (and documented in the report):
   "Connection closed by peer", its rank exits non-zero, DeepSpeed's per-node launcher kills the node's other
   ranks and exits with that code;
 * node 1 cut off (its link down, sockets silent): nothing closes, and node 0 fails only when the collective
-  timeout given to ``init_distributed`` (commbench ``--timeout-s``; train.py: DEEPSPEED_TIMEOUT minutes) expires.
+  timeout given to ``init_distributed`` (commbench ``--timeout-s``; train.py: DEEPSPEED_TIMEOUT minutes)
+  expires.
 """
 
 from __future__ import annotations

@@ -102,8 +102,8 @@ def all_keys(shards: Path) -> list[str]:
 
 
 def loader(path, world=1, rank=0, mb=8, ga=2, workers=0, seed=11, **kw) -> PretrainingLoader:
-    return PretrainingLoader(path, "bert", micro_batch=mb, grad_accum=ga, dp_rank=rank, dp_world=world, seed=seed,
-                             num_workers=workers, **{**ORDER, **kw})  # fmt: skip
+    return PretrainingLoader(path, "bert", micro_batch=mb, grad_accum=ga, dp_rank=rank, dp_world=world,
+                             seed=seed, num_workers=workers, **{**ORDER, **kw})  # fmt: skip
 
 
 def _rank_main(rank: int, world: int, shard_dir: str, out: str, port: int) -> None:

@@ -1,4 +1,5 @@
-"""Model registry, parameter counts, FLOPs convention, and parity with the ``transformers`` reference models."""
+"""Model registry, parameter counts, FLOPs convention, and parity with the ``transformers`` reference
+models."""
 
 from __future__ import annotations
 
@@ -205,7 +206,8 @@ def test_flops_per_token_convention():
     non_input_embedding = n["total"] - n["input_embedding"]
     expected = 6 * non_input_embedding + 12 * spec.layers * spec.hidden * 2048
     assert training_flops_per_token(spec, 2048) == pytest.approx(expected, rel=1e-9)
-    # BERT: the MLM head counts max_pred/seq of a token's share, so phase 2 (80/512) > phase 1 (20/128) per token
+    # BERT: the MLM head counts max_pred/seq of a token's share, so phase 2 (80/512) > phase 1 (20/128) per
+    # token
     large = get_spec("bert-large")
     assert training_flops_per_token(large, 512, 80) > training_flops_per_token(large, 128, 20)
     assert (

@@ -149,7 +149,8 @@ def test_run_writes_metrics_and_summary(straight_run):
 
 
 def test_time_accounting_covers_the_wall_time(straight_run):
-    """The throughput window holds training steps only: evaluation (steps 4 and 8) and saves (4, 8) are apart."""
+    """The throughput window holds training steps only: evaluation (steps 4 and 8) and saves (4, 8) are
+    apart."""
     s = json.loads((straight_run / "summary.json").read_text())
     parts = ("startup_s", "warmup_s", "train_window_s", "eval_s", "save_s", "log_s")
     assert all(s[p] >= 0 for p in parts)
@@ -305,8 +306,8 @@ def gpt_data(tmp_path_factory, wiki_text_dir) -> dict[str, Path]:
         text.mkdir()
         for s in files:
             (text / s.name).write_bytes(s.read_bytes())
-        _cli("data", "gpt", "--text", str(text), "--tokenizer", str(tok), "--out", str(root / name), "--seq-len", "128",
-             "--no-progress")  # fmt: skip
+        _cli("data", "gpt", "--text", str(text), "--tokenizer", str(tok), "--out", str(root / name),
+             "--seq-len", "128", "--no-progress")  # fmt: skip
         out[name] = root / name
     return out
 
@@ -334,7 +335,8 @@ def test_neox_trains_and_reports_perplexity(gpt_data, tmp_path):
 
 
 def test_phase2_starts_from_phase1_weights_with_fresh_schedule(bert_data, straight_run, tmp_path):
-    """NVIDIA's two-phase recipe: phase 2 loads phase 1's weights; optimizer, step count and schedule restart."""
+    """NVIDIA's two-phase recipe: phase 2 loads phase 1's weights; optimizer, step count and schedule
+    restart."""
     run_dir = tmp_path / "phase2"
     args = common(bert_data, run_dir, f"train.init_from={straight_run / 'checkpoints'}", "train.steps=4",
                   "schedule.kind=poly_warmup", "schedule.warmup=0.75", "schedule.constant=0")  # fmt: skip
@@ -384,8 +386,8 @@ def test_sweep_of_train_py_reports_measured_efficiency(bert_data, tmp_path):
     )
     runs, png = tmp_path / "runs", tmp_path / "scaling.png"
     res = subprocess.run(
-        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps", "8",
-         "--out", str(runs)],
+        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps",
+         "8", "--out", str(runs)],
         cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

@@ -1,7 +1,7 @@
 """A real two-node job: train.py across two network namespaces, then node 1 dies and the job restarts.
 
-Node 0 (10.77.0.1) and node 1 (10.77.0.2) each run their own DeepSpeed launcher with ``--no_ssh --node_rank R``
-and one hostfile; the run directory is shared, as on a cluster with a shared filesystem.
+Node 0 (10.77.0.1) and node 1 (10.77.0.2) each run their own DeepSpeed launcher with ``--no_ssh --node_rank
+R`` and one hostfile; the run directory is shared, as on a cluster with a shared filesystem.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def train_args(data, run_dir: Path, *extra: str) -> list[str]:
     return [
         "--config", "smoke", f"run.dir={run_dir}", f"data.train={data['train']}", f"data.eval={data['eval']}",
         f"data.vocab={data['vocab']}", "train.global_batch=16", "train.micro_batch=4", "logging.every=1",
-        "train.eval_every=0", "train.eval_samples=32", "deepspeed.zero_stage=2", "deepspeed.timeout_s=60", *extra,
+        "train.eval_every=0", "train.eval_samples=32", "deepspeed.zero_stage=2", "deepspeed.timeout_s=60",
+            *extra,
     ]  # fmt: skip
 
 

@@ -72,7 +72,8 @@ def _open_loader(data: DataSection, train: TrainSection, path: str | None, key: 
 
 
 def open_data(cfg: Config, family, grad_accum: int, rank: int, world: int) -> RunData:
-    """Open the shards the model family reads, checking them against ``data.*`` (sequence length, vocabulary)."""
+    """Open the shards the model family reads, checking them against ``data.*`` (sequence length,
+    vocabulary)."""
     from data.loader import EvalSet
 
     data = cfg.data

@@ -8,8 +8,8 @@ Layout of ``CKPT_DIR``::
         COMPLETE             written last, after a barrier: the tag is whole
     latest                   the newest complete tag, replaced atomically (rename) after COMPLETE
 
-A crash mid-save leaves a tag without ``COMPLETE`` and ``latest`` still naming the previous one; resume ignores
-incomplete tags and they are removed by the next successful save.
+A crash mid-save leaves a tag without ``COMPLETE`` and ``latest`` still naming the previous one; resume
+ignores incomplete tags and they are removed by the next successful save.
 """
 
 from __future__ import annotations
@@ -70,7 +70,8 @@ def latest_complete(ckpt_dir: Path) -> str | None:
 
 
 def resolve(path: Path, what: str) -> tuple[Path, str]:
-    """A checkpoint given as a tag directory or as a checkpoint directory -> (checkpoint dir, complete tag)."""
+    """A checkpoint given as a tag directory or as a checkpoint directory -> (checkpoint dir, complete
+    tag)."""
     if (path / COMPLETE).exists():
         return path.parent, path.name
     tag = latest_complete(path) if path.is_dir() else None
@@ -164,8 +165,9 @@ def to_universal(ckpt_dir: Path, tag: str) -> str:
     if collectives.rank() == 0 and not (out / UNIVERSAL_DONE).exists():
         log.info(f"converting {ckpt_dir / tag} to a universal checkpoint for a new world size")
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(ckpt_dir / tag),
-               "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]  # fmt: skip
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+               str(ckpt_dir / tag), "--output_folder", str(out), "--num_extract_workers", "1",
+               "--num_merge_workers", "1"]  # fmt: skip
         res = subprocess.run(cmd, capture_output=True, text=True)
         (ckpt_dir / "latest_universal").unlink(missing_ok=True)  # we keep our own pointers
         if res.returncode != 0:
@@ -225,7 +227,8 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], where: Path
     a, b = saved.get("vocab_sha256"), current.get("vocab_sha256")
     if a and b and a != b:
         raise UserError(
-            f"{where}: checkpoint was trained on vocab {a[:12]}... but the data has vocab {b[:12]}...; refusing to resume"
+            f"{where}: checkpoint was trained on vocab {a[:12]}... but the data has vocab {b[:12]}...; "
+            "refusing to resume"
         )
 
 

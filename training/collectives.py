@@ -5,8 +5,8 @@ CUDA tensors. The rule that keeps the accelerator path correct by construction: 
 or tensors, and the tensors that enter a collective are always placed on ``comm_device()`` here. A static test
 (tests/test_collectives.py) checks that no other module calls ``torch.distributed`` collectives.
 
-Device calls go through DeepSpeed's accelerator abstraction (``get_accelerator()``), not ``torch.cuda``, so the
-same code runs on CUDA, Gaudi (HPU) and CPU.
+Device calls go through DeepSpeed's accelerator abstraction (``get_accelerator()``), not ``torch.cuda``, so
+the same code runs on CUDA, Gaudi (HPU) and CPU.
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ class _DropNoise(logging.Filter):
 
 
 def quiet() -> None:
-    """Silence DeepSpeed's and torch's warnings that say nothing actionable (call before importing deepspeed)."""
+    """Silence DeepSpeed's and torch's warnings that say nothing actionable (call before importing
+    deepspeed)."""
     logging.getLogger("DeepSpeed").addFilter(_DropNoise())
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated", category=FutureWarning)
 

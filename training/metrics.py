@@ -6,9 +6,10 @@ Conventions (every report in the application uses these functions and nothing el
   measured after ``warmup_steps`` steps, with device synchronisation at both ends of the window. Tokens/s =
   sequences/s x sequence length (a packed GPT window of ``seq_len`` inputs counts ``seq_len`` tokens; BERT
   counts every position, padding included, as NVIDIA's reference does).
-* **Per device** figures divide the job's figure by the number of devices (data-parallel ranks x model-parallel
-  size); on CPU one rank stands for one device.
-* **TFLOP/s per device** = tokens/s per device x training FLOPs per token (``model.flops.training_flops_per_token``).
+* **Per device** figures divide the job's figure by the number of devices (data-parallel ranks x
+  model-parallel size); on CPU one rank stands for one device.
+* **TFLOP/s per device** = tokens/s per device x training FLOPs per token
+  (``model.flops.training_flops_per_token``).
 * **MFU** = achieved FLOP/s per device / the device's peak (``training.devices.peak_flops``): the dense BF16
   tensor FLOP/s from the vendor's datasheet for an accelerator in ``training.devices.PEAK_FLOPS``; on CPU the
   fastest matmul measured on this CPU in the run's compute dtypes. No known peak, no MFU (None). MFU > 1 is a

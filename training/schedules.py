@@ -44,7 +44,8 @@ def poly_warmup(step: int, *, total_steps: int, warmup: float, degree: float = 0
 def warmup_constant_decay(
     step: int, *, total_steps: int, warmup: float = 0.05, constant: float = 0.25, min_ratio: float = 0.0
 ) -> float:
-    """Gaudi BERT 1.5B/5B: linear warmup (5%), constant (25%), then linear decay to ``min_ratio`` at the end."""
+    """Gaudi BERT 1.5B/5B: linear warmup (5%), constant (25%), then linear decay to ``min_ratio`` at the
+    end."""
     _check(total_steps, warmup, constant=constant, min_ratio=min_ratio)
     if warmup + constant > 1.0:
         raise UserError(f"schedule warmup + constant must be <= 1 (got {warmup} + {constant})")

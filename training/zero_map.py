@@ -61,7 +61,8 @@ def _zero_groups(zopt: Any) -> tuple[list, list, list] | None:
 
 
 def build_layouts(engine: Any, opt: torch.optim.Optimizer) -> dict[int, GroupLayout]:
-    """Fragment layouts keyed by ``id`` of each flat partition in ``opt.param_groups``; {} if unpartitioned."""
+    """Fragment layouts keyed by ``id`` of each flat partition in ``opt.param_groups``; {} if
+    unpartitioned."""
     zopt = engine.optimizer
     name = type(zopt).__name__
     stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
@@ -79,8 +80,8 @@ def build_layouts(engine: Any, opt: torch.optim.Optimizer) -> dict[int, GroupLay
     groups = _zero_groups(zopt)
     if groups is None:
         raise RuntimeError(
-            f"LANS/LAMB: DeepSpeed optimizer wrapper {name} is not supported (it flattens parameters in a way "
-            "we cannot map); use fp32, or bf16 with ZeRO stage 1/2"
+            f"LANS/LAMB: DeepSpeed optimizer wrapper {name} is not supported (it flattens parameters in a "
+            "way we cannot map); use fp32, or bf16 with ZeRO stage 1/2"
         )
     lp_groups, flats, dp_groups = groups
     if len(flats) != len(opt.param_groups):

@@ -1,7 +1,8 @@
 """Measure this CPU's matmul peak (training.devices) and a quick matmul's rates; print both as JSON.
 
 Run by tests/test_devices.py in a fresh process, so that environment variables that select the CPU kernels
-(ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) take effect. XDG_CACHE_HOME names the cache.
+(ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS) take effect. XDG_CACHE_HOME names the
+cache.
 """
 
 from __future__ import annotations

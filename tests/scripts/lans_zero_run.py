@@ -82,9 +82,8 @@ def main() -> None:
     ap.add_argument(
         "--runs",
         required=True,
-        help="comma-separated OPT:STAGE:DTYPE[:naive|:refuse] (lans|lamb, 0-3, fp32|bf16; naive = no attach_zero; "
-        "refuse = only record attach_zero's refusal), "
-        "each trains its own model in turn",
+        help="comma-separated OPT:STAGE:DTYPE[:naive|:refuse] (lans|lamb, 0-3, fp32|bf16; naive = no "
+        "attach_zero; refuse = only record attach_zero's refusal), each trains its own model in turn",
     )
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--global-batch", type=int, default=16)
