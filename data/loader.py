@@ -199,7 +199,8 @@ class _Reader:
         return buf
 
     def read(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        """One micro-batch packed as a single int32 array [B, sum of field widths] (one transfer, one copy)."""
+        """One micro-batch packed as a single int32 array [B, sum of field widths] (one transfer, one
+        copy)."""
         w, rows = self.index.locate(epoch, positions)
         out: np.ndarray | None = None
         for wi in np.unique(w):
@@ -279,7 +280,8 @@ class _Schedule:
     def chunks(
         self, epoch: int, pos: int, micro: int, per_chunk: int
     ) -> Iterator[list[tuple[int, np.ndarray]]]:
-        """Groups of ``per_chunk`` consecutive micro-batches (a worker reads and ships one group at a time)."""
+        """Groups of ``per_chunk`` consecutive micro-batches (a worker reads and ships one group at a
+        time)."""
         it = self.iterate(epoch, pos, micro)
         while True:
             yield [next(it) for _ in range(per_chunk)]
@@ -302,7 +304,7 @@ class _Stream(torch.utils.data.IterableDataset):
         self.files, self.kind, self.index, self.schedule, self.start = files, kind, index, schedule, start
         self.per_chunk = per_chunk
 
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[torch.Tensor]:
         info = torch.utils.data.get_worker_info()
         k, K = (info.id, info.num_workers) if info is not None else (0, 1)
         reader = _Reader(self.files, self.kind, self.index)
@@ -485,7 +487,8 @@ class PretrainingLoader:
         ):
             if state.get(key) != mine:
                 raise UserError(
-                    f"loader state: {key}={state.get(key)!r} but this loader has {mine!r}; the sample order would differ"
+                    f"loader state: {key}={state.get(key)!r} but this "
+                    f"loader has {mine!r}; the sample order would differ"
                 )
         if [list(x) for x in state.get("shards", [])] != self._fingerprint():
             raise UserError(
@@ -499,12 +502,13 @@ class PretrainingLoader:
         )
         if micro and not same_layout:
             raise UserError(
-                f"loader state: saved in the middle of a step (micro-batch {micro}); resuming with a different "
-                "micro_batch/grad_accum/dp_world needs a checkpoint taken at a step boundary"
+                f"loader state: saved in the middle of a step (micro-batch {micro}); resuming with a "
+                "different micro_batch/grad_accum/dp_world needs a checkpoint taken at a step boundary"
             )
         if state["global_batch"] != self.schedule.G:
             log.warning(
-                "loader: global batch changed from %d to %d; continuing at sample %d of epoch %d, step boundaries shift",
+                "loader: global batch changed from %d to %d; continuing "
+                "at sample %d of epoch %d, step boundaries shift",
                 state["global_batch"],
                 self.schedule.G,
                 state["samples_in_epoch"],

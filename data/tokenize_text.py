@@ -49,7 +49,8 @@ class InputShard:
 
 
 def list_text_files(text: str | os.PathLike) -> list[Path]:
-    """A ``.txt`` file or a directory searched recursively for ``*.txt`` (sorted; hidden/temp files skipped)."""
+    """A ``.txt`` file or a directory searched recursively for ``*.txt`` (sorted; hidden/temp files
+    skipped)."""
     p = Path(text)
     if p.is_file():
         return [p]
@@ -149,7 +150,8 @@ def read_lines(shard: InputShard) -> Iterator[list[str]]:
 
 
 def check_bert_vocab(vocab: str | os.PathLike) -> list[str]:
-    """A WordPiece ``vocab.txt`` as its token list; errors (naming the file) when it lacks a BERT special token."""
+    """A WordPiece ``vocab.txt`` as its token list; errors (naming the file) when it lacks a BERT special
+    token."""
     from data.vocab import load_vocab_checked
 
     index = load_vocab_checked(Path(vocab))
@@ -160,7 +162,8 @@ def check_bert_vocab(vocab: str | os.PathLike) -> list[str]:
 
 
 def bert_tokenizer(vocab: str | os.PathLike, lowercase: bool):
-    """The Rust WordPiece tokenizer with BERT's basic tokenization (same splits as Google's tokenization.py)."""
+    """The Rust WordPiece tokenizer with BERT's basic tokenization (same splits as Google's
+    tokenization.py)."""
     from tokenizers import BertWordPieceTokenizer
 
     return BertWordPieceTokenizer(
@@ -213,7 +216,8 @@ class CachedBertTokenizer:
         self._arrays = None
 
     def encode_lines(self, lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Lines (without newlines) -> (flat int32 ids, int64 tokens per line), as the library's encode_batch."""
+        """Lines (without newlines) -> (flat int32 ids, int64 tokens per line), as the library's
+        encode_batch."""
         chunks = " \n ".join(lines).split(" ")
         idx = list(map(self.chunk_index.get, chunks))
         if None in idx:
@@ -239,7 +243,8 @@ class CachedBertTokenizer:
 
 @dataclass
 class TokenizedShard:
-    """A shard's tokens: sentences are ``tokens[sent_off[i]:sent_off[i+1]]``, documents are sentence ranges."""
+    """A shard's tokens: sentences are ``tokens[sent_off[i]:sent_off[i+1]]``, documents are sentence
+    ranges."""
 
     tokens: np.ndarray  # int32 [T]
     sent_off: np.ndarray  # int64 [S+1]
@@ -256,7 +261,8 @@ class TokenizedShard:
 
 
 def tokenize_sentences(tokenizer, shard: InputShard) -> TokenizedShard:
-    """Tokenize a shard line by line: empty lines end documents, lines with no tokens are skipped (as Google's)."""
+    """Tokenize a shard line by line: empty lines end documents, lines with no tokens are skipped (as
+    Google's)."""
     tok_parts: list[np.ndarray] = []
     len_parts: list[np.ndarray] = []
     doc_breaks: list[np.ndarray] = []  # sentence index at which a new document starts
@@ -274,7 +280,7 @@ def tokenize_sentences(tokenizer, shard: InputShard) -> TokenizedShard:
         full = np.zeros(len(lines), dtype=np.int64)
         full[~blank] = lens
         kept = full > 0
-        before = np.cumsum(kept) - kept  # sentences before each line (within the batch)
+        before: np.ndarray = np.cumsum(kept) - kept  # sentences before each line (within the batch)
         doc_breaks.append(n_sent + before[blank])
         tok_parts.append(flat)
         len_parts.append(lens[lens > 0])

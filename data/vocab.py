@@ -63,7 +63,8 @@ def _check_size(size: int, kind: str) -> None:
 def train_wordpiece(
     text_dir: Path, out_path: Path, size: int, lowercase: bool = True, min_frequency: int = 2
 ) -> Path:
-    """Train a BERT WordPiece vocabulary of ``size`` entries on ``text_dir``; write ``vocab.txt`` atomically."""
+    """Train a BERT WordPiece vocabulary of ``size`` entries on ``text_dir``; write ``vocab.txt``
+    atomically."""
     from tokenizers.implementations import BertWordPieceTokenizer
 
     _check_size(size, "wordpiece")
@@ -77,7 +78,8 @@ def train_wordpiece(
         min_frequency=min_frequency,
         # BERT keeps ~1000 characters; fewer for small vocabularies so words still get learned
         limit_alphabet=min(1000, (size - len(WORDPIECE_SPECIALS)) // 2),
-        special_tokens=WORDPIECE_SPECIALS,
+        # the tokenizers stub types this list[str | AddedToken] (invariant), which a list[str] never matches
+        special_tokens=WORDPIECE_SPECIALS,  # type: ignore[arg-type]
         show_progress=False,
         wordpieces_prefix="##",
     )

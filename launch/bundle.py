@@ -41,6 +41,7 @@ import zipfile
 from dataclasses import dataclass, field
 from email.parser import Parser
 from pathlib import Path
+from typing import Any
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -186,7 +187,7 @@ def pip(
     return res.stdout
 
 
-def wheel_metadata(whl: Path) -> dict[str, object]:
+def wheel_metadata(whl: Path) -> dict[str, Any]:
     """Name, version, requirements and extras from a wheel's METADATA."""
     with zipfile.ZipFile(whl) as z:
         names = [n for n in z.namelist() if n.endswith(".dist-info/METADATA") and n.count("/") == 1]
@@ -343,7 +344,7 @@ def download_build_backend(project: Path, target: Target, out: Path, scratch: Pa
     args = ["download", "-q", "-d", str(dest), *target.pip_target_args(), *requires]
     log.info(f"downloading the build backend: {' '.join(requires)}")
     pip(args, f"{path}: downloading the build backend {' '.join(requires)}")
-    names = set()
+    names: set[str] = set()
     for whl in dest.glob("*.whl"):
         names.add(canonicalize_name(str(wheel_metadata(whl)["name"])))
         if not (out / whl.name).exists():
@@ -370,16 +371,16 @@ def build_bundle(
         meta = wheel_metadata(proj_whl)
         proj_name = canonicalize_name(str(meta["name"]))
         extras = [canonicalize_name(x) for x in extras]
-        unknown = [x for x in extras if x not in meta["provides_extra"]]  # type: ignore[operator]
+        unknown = [x for x in extras if x not in meta["provides_extra"]]
         if unknown:
             raise UserError(
                 f"--extras {','.join(unknown)}: {meta['name']} has no such extra "
-                f"(it has: {', '.join(meta['provides_extra']) or 'none'})"  # type: ignore[arg-type]
+                f"(it has: {', '.join(meta['provides_extra']) or 'none'})"
             )
         target.have.pop(proj_name, None)  # the bundle always carries the project itself
-        requires = [str(r) for r in meta["requires_dist"]]  # type: ignore[union-attr]
+        requires = [str(r) for r in meta["requires_dist"]]
 
-        local = {proj_name: proj_whl}
+        local: dict[str, Path] = {proj_name: proj_whl}
         ds_req = next(
             (Requirement(r) for r in requires if canonicalize_name(Requirement(r).name) == "deepspeed"), None
         )
@@ -420,7 +421,7 @@ def build_bundle(
         check = resolve(target, [f"{proj_name}{extra_s}"], scratch, offline_from=out)
         log.info(f"checked: pip --no-index --find-links {out} installs {len(check)} packages on the target")
 
-    files = []
+    files: list[dict[str, Any]] = []
     for whl in sorted(out.glob("*.whl")):
         m = wheel_metadata(whl)
         name = canonicalize_name(str(m["name"]))

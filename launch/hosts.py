@@ -1,4 +1,5 @@
-"""DeepSpeed hostfiles (``host slots=N`` lines) from a Slurm allocation, an AWS Batch multi-node job, or a list.
+"""DeepSpeed hostfiles (``host slots=N`` lines) from a Slurm allocation, an AWS Batch multi-node job, or a
+list.
 
 AWS Batch multi-node parallel jobs give each node only the job size, its own index, the main node's index and
 (on child nodes only) the main node's private IP. We join the nodes with a small TCP registration service:
@@ -7,7 +8,8 @@ AWS Batch multi-node parallel jobs give each node only the job size, its own ind
 * each child connects (retrying while the main container starts), sends one JSON line ``{index, ip, slots}``,
   and keeps the connection open;
 * when all children are in, the main node orders the hosts by node index (main first, so it is node rank 0 and
-  the rendezvous address), writes the hostfile and sends the same hostfile text to every child, which writes it.
+  the rendezvous address), writes the hostfile and sends the same hostfile text to every child, which writes
+  it.
 
 Every node then starts ``deepspeed --no_ssh --node_rank R --master_addr MAIN_IP --hostfile H``: no sshd in the
 container, no shared filesystem needed. The registration carries nothing but validated addresses and integers.
@@ -49,7 +51,8 @@ class Host:
 
 
 def validate_host(name: str) -> str:
-    """Return ``name`` if it is a hostname (RFC 1123 labels) or an IPv4/IPv6 address; else a one-line UserError.
+    """Return ``name`` if it is a hostname (RFC 1123 labels) or an IPv4/IPv6 address; else a one-line
+    UserError.
 
     Host names end up in shell commands (pdsh, ssh, our job scripts); anything else (spaces, quotes, ``;``,
     ``$``, backticks, ...) is refused here rather than quoted later.
@@ -66,7 +69,9 @@ def validate_host(name: str) -> str:
 
 def _split_top_level(text: str) -> list[str]:
     """Split a Slurm node list on the commas that are outside brackets."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    depth = 0
+    cur: list[str] = []
     for ch in text:
         if ch == "[":
             depth += 1
@@ -205,7 +210,8 @@ def serve_registration(
     timeout_s: float,
     bind: str = "0.0.0.0",
 ) -> list[Host]:
-    """Main node: wait for ``num_nodes - 1`` children, answer each with the hostfile, return the hosts in order."""
+    """Main node: wait for ``num_nodes - 1`` children, answer each with the hostfile, return the hosts in
+    order."""
     validate_host(main_ip)
     deadline = time.monotonic() + timeout_s
     registered: dict[int, tuple[Host, socket.socket]] = {}
@@ -362,8 +368,8 @@ def build_hosts(args: argparse.Namespace) -> tuple[list[Host], int | None, str]:
         if not nodelist:
             raise UserError("SLURM_JOB_NODELIST is not set (run inside an sbatch/salloc allocation)")
         hosts = [Host(n, slots) for n in slurm_hostnames(nodelist)]
-        rank = os.environ.get("SLURM_NODEID")
-        return hosts, int(rank) if rank and rank.isdigit() else None, hosts[0].name
+        node_id = os.environ.get("SLURM_NODEID")
+        return hosts, int(node_id) if node_id and node_id.isdigit() else None, hosts[0].name
     hosts, rank, master = awsbatch_hosts(slots, args.port, args.timeout, args.ip)
     return hosts, rank, master
 

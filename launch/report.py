@@ -28,7 +28,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from common.atomic import atomic_path, atomic_write_json, atomic_write_text
 from common.errors import UserError
@@ -76,7 +76,7 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _positive_number(v: Any) -> bool:
+def _positive_number(v: Any) -> TypeGuard[float]:
     return _finite(v) and v > 0
 
 

@@ -7,7 +7,8 @@ Contract with ``train.py`` (each size is one DeepSpeed job)::
 
 on one machine (``--world-sizes``; on CPU a rank stands for an accelerator and OMP_NUM_THREADS=T), or::
 
-    deepspeed --hostfile H --num_nodes n --num_gpus G train.py --config X.yaml run.dir=RUNS/nNxG train.steps=N ...
+    deepspeed --hostfile H --num_nodes n --num_gpus G train.py --config X.yaml run.dir=RUNS/nNxG
+    train.steps=N ...
 
 on a cluster (``--nodes`` with ``--hostfile``). train.py writes its own ``summary.json`` in run.dir (keys
 in ``launch.report``); the sweep then prints ``launch.report``'s table, which computes scaling efficiency
@@ -50,7 +51,7 @@ def plan(args: argparse.Namespace) -> list[tuple[Path, list[str], dict[str, str]
     runner = [sys.executable, "-m", "deepspeed.launcher.runner"]
     out = Path(args.out)
     base_overrides = [f"train.steps={args.steps}"]
-    jobs = []
+    jobs: list[tuple[Path, list[str], dict[str, str]]] = []
     if args.nodes:
         if not args.hostfile:
             raise UserError("--nodes needs --hostfile (the cluster's hosts)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ class SdpaMegatronSelfAttention(megatron.MegatronBertSelfAttention):
     state-dict names, and replaces only the softmax(QK^T)V computation. Encoder-only: no KV cache.
     """
 
-    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):  # type: ignore[override]
+    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
         b, s, _ = hidden_states.shape
         shape = (b, s, self.num_attention_heads, self.attention_head_size)
         q = self.query(hidden_states).view(shape).transpose(1, 2)
@@ -72,12 +73,12 @@ def build_hf_bert(spec: BertSpec, attention: str = "sdpa") -> BertForPreTraining
     config = hf_config(spec)
     if spec.pre_layernorm:
         config._attn_implementation = "eager"
-        model = MegatronBertForPreTraining(config)
+        model = MegatronBertForPreTraining(cast(MegatronBertConfig, config))
         if attention == "sdpa":
             _use_sdpa_in_megatron(model)
         return model
     config._attn_implementation = attention
-    return BertForPreTraining(config)
+    return BertForPreTraining(cast(BertConfig, config))
 
 
 class BertPretraining(nn.Module):
@@ -138,7 +139,8 @@ def save_hf_tokenizer(vocab: Path, out: Path, spec: BertSpec, lowercase: bool) -
     (BERT normalizer with the shards' casing, WordPiece over ``vocab``), so ``AutoTokenizer`` gives the
     training ids; ``vocab.txt`` is copied beside it for readers that want the plain vocabulary.
     """
-    from transformers import BertTokenizerFast
+    # transformers 5 exports BertTokenizerFast lazily (an alias of BertTokenizer) without declaring it
+    from transformers import BertTokenizerFast  # type: ignore[attr-defined]
 
     from data.tokenize_text import bert_tokenizer, check_bert_vocab
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import cast
 
 import torch
 from torch import nn
@@ -25,7 +26,8 @@ def build_model(
     if isinstance(spec, str):
         spec = get_spec(spec)
     with torch.device(device):
-        model: PretrainingModel = family_of(spec).build(spec, attention)
+        # Family.build is declared as returning nn.Module: each family builds its own pre-training model.
+        model = cast(PretrainingModel, family_of(spec).build(spec, attention))
     if activation_checkpointing:
         # Non-reentrant checkpointing: works with ZeRO-3 parameter gathering and with frozen inputs.
         model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -19,13 +19,17 @@ Convention (PaLM appendix B; torchtitan and llm.c use the same):
 from __future__ import annotations
 
 import functools
+from typing import cast
+
+import torch
 
 from model.build import build_model
 from model.registry import ModelSpec, family_of
 
 
 def _layer_and_head_params(spec: ModelSpec) -> tuple[int, int, int]:
-    """(weights in transformer layers + final norm, per-prediction head weights, per-sequence head weights)."""
+    """(weights in transformer layers + final norm, per-prediction head weights, per-sequence head
+    weights)."""
     model = build_model(spec, device="meta")
     layers = pred_head = seq_head = 0
     for name, p in model.named_parameters():  # tied decoder weight appears once, under the embedding name
@@ -44,7 +48,7 @@ def _layer_and_head_params(spec: ModelSpec) -> tuple[int, int, int]:
             layers += n
     out, inp = model.hf.get_output_embeddings(), model.hf.get_input_embeddings()
     if out is not None and out.weight is inp.weight:  # a tied decoder multiplies by the embedding matrix
-        pred_head += out.weight.numel()
+        pred_head += cast(torch.Tensor, out.weight).numel()
     return layers, pred_head, seq_head
 
 

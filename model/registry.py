@@ -120,7 +120,7 @@ _SPECS: list[ModelSpec] = [
 REGISTRY: dict[str, ModelSpec] = {s.name: s for s in _SPECS}
 
 
-def get_spec(name: str, **overrides: object) -> ModelSpec:
+def get_spec(name: str, **overrides: Any) -> ModelSpec:
     """The named size, optionally with fields replaced (e.g. ``vocab_size`` from the data's vocabulary)."""
     try:
         spec = REGISTRY[name]

@@ -1,8 +1,8 @@
 """Typed run configuration: dataclasses, YAML recipes, dotted command-line overrides.
 
-One precedence rule: command line > YAML file (> the files it ``base:``-includes) > the defaults declared here.
-Every mistake (unknown key, wrong type, inconsistent batch arithmetic, missing file) raises ``UserError``
-with one line that names the key and the values.
+One precedence rule: command line > YAML file (> the files it ``base:``-includes) > the defaults declared
+here. Every mistake (unknown key, wrong type, inconsistent batch arithmetic, missing file) raises
+``UserError`` with one line that names the key and the values.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, cast, get_args, get_origin
 
 import yaml
 
@@ -103,7 +103,8 @@ class TrainSection:
     eval_every: int = 0
     """Evaluate every K steps (0: only at the end when data.eval is set)."""
     eval_samples: int = 256
-    """Held-out samples per evaluation: the first N of data.eval, the same every time and on any world size."""
+    """Held-out samples per evaluation: the first N of data.eval, the same every time and on any world
+    size."""
     deterministic: bool = False
     """Deterministic algorithms (torch.use_deterministic_algorithms): a resumed GPU run repeats an
     uninterrupted one's losses exactly, at some cost in speed."""
@@ -147,7 +148,8 @@ class CheckpointSection:
     keep: int = 3
     """Keep the newest K complete checkpoints."""
     resume: str = "auto"
-    """auto: the newest complete checkpoint if any; never: refuse to run over existing checkpoints; or a path."""
+    """auto: the newest complete checkpoint if any; never: refuse to run over existing checkpoints; or a
+    path."""
 
 
 @dataclass
@@ -223,7 +225,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise UserError(f"{key}: expected a mapping, got {value!r}")
-        return _build(tp, value, key + ".")
+        return _build(cast(type, tp), value, key + ".")
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -353,7 +355,8 @@ def validate(cfg: Config) -> None:
         raise UserError(f"optimizer.betas must be two numbers in [0, 1), got {cfg.optimizer.betas}")
     if not 0 <= cfg.schedule.warmup + cfg.schedule.constant <= 1:
         raise UserError(
-            f"schedule.warmup + schedule.constant must be within [0, 1], got {cfg.schedule.warmup} + {cfg.schedule.constant}"
+            f"schedule.warmup + schedule.constant must be within [0, 1], got {cfg.schedule.warmup} + "
+            f"{cfg.schedule.constant}"
         )
     if cfg.deepspeed.offload_param and cfg.deepspeed.zero_stage != 3:
         raise UserError(
@@ -367,15 +370,16 @@ def validate(cfg: Config) -> None:
         cfg.deepspeed.zero_stage == 3 or cfg.deepspeed.offload_optimizer
     ):
         raise UserError(
-            f"optimizer.name={cfg.optimizer.name} keeps per-tensor trust ratios under ZeRO stages 0-2 without "
-            f"optimizer offload; got deepspeed.zero_stage={cfg.deepspeed.zero_stage}, "
+            f"optimizer.name={cfg.optimizer.name} keeps per-tensor trust ratios under ZeRO stages 0-2 "
+            f"without optimizer offload; got deepspeed.zero_stage={cfg.deepspeed.zero_stage}, "
             f"deepspeed.offload_optimizer={cfg.deepspeed.offload_optimizer}"
         )
     if cfg.checkpoint.keep < 1:
         raise UserError(f"checkpoint.keep must be at least 1, got {cfg.checkpoint.keep}")
     if cfg.train.global_batch % cfg.train.micro_batch:
         raise UserError(
-            f"train.global_batch={cfg.train.global_batch} is not a multiple of train.micro_batch={cfg.train.micro_batch}"
+            f"train.global_batch={cfg.train.global_batch} is not a multiple of "
+            f"train.micro_batch={cfg.train.micro_batch}"
         )
 
 
@@ -384,7 +388,8 @@ def gradient_accumulation(train: TrainSection, dp_world: int) -> int:
     per_step = train.micro_batch * dp_world
     if train.global_batch % per_step:
         raise UserError(
-            f"train.global_batch={train.global_batch} is not divisible by train.micro_batch={train.micro_batch} "
+            f"train.global_batch={train.global_batch} is not divisible by "
+            f"train.micro_batch={train.micro_batch} "
             f"x data-parallel world size {dp_world} (= {per_step})"
         )
     accum = train.global_batch // per_step

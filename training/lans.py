@@ -83,10 +83,13 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+# What the torch._foreach_* functions take and return.
+TensorList = list[torch.Tensor] | tuple[torch.Tensor, ...]
+
 _DOT_CHUNK = 1 << 16
 
 
-def sum_of_squares(xs: list[torch.Tensor]) -> torch.Tensor:
+def sum_of_squares(xs: TensorList) -> torch.Tensor:
     """Per-tensor sums of squares of 1-D contiguous tensors, float64 on the tensors' device.
 
     On CPU (the foreach and torch.compile paths, and tensors the C++ kernels do not take): every chunk of 64k
@@ -192,13 +195,14 @@ def _compiled(name: str) -> Callable:
     dynamo's recompile limit, dynamo warns and runs the kernel's eager code (same maths) instead of failing.
     """
     if name not in _COMPILED:
-        fn = {
+        kernels: dict[str, Callable[..., Any]] = {
             "moments": _moments_kernel,
             "lans_sumsq": _lans_sumsq_kernel,
             "lamb_sumsq": _lamb_sumsq_kernel,
             "lans_update": _lans_update_kernel,
             "lamb_update": _lamb_update_kernel,
-        }[name]
+        }
+        fn = kernels[name]
         # dynamic_threads: OpenMP parallel regions whatever the size seen at compile time, thread count read
         # at run time (torch.set_num_threads after compilation still applies).
         _COMPILED[name] = torch.compile(fn, dynamic=True, options={"cpp.dynamic_threads": True})
@@ -404,8 +408,12 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
             return "fused" if _fused_available(device) else "foreach"
         return self.impl
 
+    # torch.optim.Optimizer.step is declared as two overloads (closure None -> None, closure -> float);
+    # this one signature covers both.
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(  # type: ignore[override]
+        self, closure: Callable[[], float] | None = None
+    ) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -526,6 +534,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         k_r = bc2.sqrt() / bc1  # r = k_r * r'
         k_c = bc2.sqrt()  # c = k_c * c'
         if lans:
+            assert g_norm is not None  # set in phase 1, under the same condition
             s_t = torch.where(g_norm > 0, 1.0 / (g_norm + eps), torch.ones_like(g_norm))
             s = s_t[seg] if nfrag else s_t[:0]
         else:
@@ -599,7 +608,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
 
     # ---- eager foreach implementation (same maths, no compiler) ------------------------------------------
     @staticmethod
-    def _add_scaled(xs: list, ws: list, coef: list[float]) -> None:
+    def _add_scaled(xs: TensorList, ws: TensorList, coef: list[float]) -> None:
         """xs += coef * ws, coef per fragment (one scalar alpha in the usual case of equal coefficients)."""
         if len(set(coef)) == 1:
             if coef[0] != 0.0:
@@ -608,7 +617,9 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
             torch._foreach_add_(xs, torch._foreach_mul(ws, coef))
 
     @classmethod
-    def _foreach_moments(cls, ws, gs, ms, vs, sc, lans: bool) -> tuple[torch.Tensor, list, list | None]:
+    def _foreach_moments(
+        cls, ws, gs, ms, vs, sc, lans: bool
+    ) -> tuple[torch.Tensor, TensorList, TensorList | None]:
         """Update m, v; return the partial sums of squares of r', c', w (F, 3) and the materialised r', c'."""
         s, omb1, b2, omb2, epsp, wdr, wdc = sc.t().tolist()
         gf = [g if g.dtype == torch.float32 else g.float() for g in gs]

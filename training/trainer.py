@@ -25,6 +25,7 @@ import resource
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,7 @@ class StepReduction:
         self.device = device
         self.names: list[str] = []  # "loss" and the pieces the model returns, fixed at the first micro-batch
         self.host: torch.Tensor | None = None
-        self.event = None
+        self.event: Any = None  # the accelerator's Event (DeepSpeed's abstraction: untyped)
         self.pending: int | None = None  # the step whose values are in flight
         self.step = 0  # the newest step whose values are on the host
         self.values: dict[str, float] = {}
@@ -210,7 +211,7 @@ class Trainer:
         self.clock = Clock(logging.warmup_steps)
         self.stop = StopRequest()
         self.device = engine.device
-        self._iter = None
+        self._iter: Iterator[dict[str, torch.Tensor]] | None = None
         self.last_eval: dict[str, float] = {}
         self.last_loss: float | None = None
         self.metrics_file = run_dir / "metrics.jsonl"
