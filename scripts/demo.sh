@@ -33,7 +33,8 @@ python -m data bert --text "$DEMO_DIR/text-eval" --vocab "$DEMO_DIR/vocab.txt" -
 
 if [ -z "${PRECISION:-}" ]; then
   echo "   checking whether this CPU computes BF16 natively (a one-off matmul measurement, cached)"
-  PRECISION=$(python -c "from training.devices import bf16_is_native; print('bf16' if bf16_is_native() else 'fp32')")
+  PRECISION=$(python -c "from training.engine import quiet; quiet()
+from training.devices import bf16_is_native; print('bf16' if bf16_is_native() else 'fp32')" | tail -n 1)
   [ "$PRECISION" = fp32 ] && echo "   BF16 is emulated on this CPU: the demo trains in FP32, which runs at native speed here"
 fi
 

@@ -238,6 +238,8 @@ class Trainer:
             batch = next(self._iter)
         if self.clock.running:
             self.clock.data_wait_s += time.perf_counter() - t0
+        if self.device.type == "cuda":  # a copy from pinned memory does not make the host wait for the device
+            batch = {k: v.pin_memory() for k, v in batch.items()}
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def train_step(self, reduction: StepReduction) -> float:
