@@ -33,19 +33,15 @@ from typing import Any, TypeGuard
 from common.atomic import atomic_path, atomic_write_json, atomic_write_text
 from common.errors import UserError
 from common.log import get_logger
-from training.metrics import scaling_efficiency, tflops_per_device
+from training.metrics import RunSummary, scaling_efficiency, tflops_per_device
 
 log = get_logger("launch.report")
-
-REQUIRED_KEYS = ("fingerprint", "device_count", "sequences_per_sec", "sequences_per_sec_per_device")
-# Absent when a run was too short to measure (train.py writes its summary all the same).
-MEASURED_KEYS = REQUIRED_KEYS[2:]
 
 
 @dataclass
 class Run:
     path: Path  # the summary.json
-    summary: dict[str, Any]
+    summary: RunSummary
 
     @property
     def dir(self) -> Path:
@@ -53,20 +49,20 @@ class Run:
 
     @property
     def devices(self) -> int:
-        return int(self.summary["device_count"])
+        return int(self.summary.device_count)
 
     @property
     def nodes(self) -> int:
-        return int(self.summary.get("nodes", 1) or 1)
+        return int(self.summary.nodes or 1)
 
     @property
     def per_device(self) -> float:
-        return float(self.summary["sequences_per_sec_per_device"])
+        return float(self.summary.sequences_per_sec_per_device or 0.0)
 
     @property
     def achieved_flops_per_device(self) -> float | None:
         """Model FLOP/s per accelerator the run reached, or None when its summary lacks the figures."""
-        tokens, fpt = self.summary.get("tokens_per_sec_per_device"), self.summary.get("flops_per_token")
+        tokens, fpt = self.summary.tokens_per_sec_per_device, self.summary.flops_per_token
         if not (_positive_number(tokens) and _positive_number(fpt)):
             return None
         return tflops_per_device(float(tokens), float(fpt)) * 1e12
@@ -80,24 +76,25 @@ def _positive_number(v: Any) -> TypeGuard[float]:
     return _finite(v) and v > 0
 
 
-def load_summary(path: Path) -> dict[str, Any] | None:
-    """The summary, checked; None (with a warning) for a run too short to have measured throughput."""
+def load_summary(path: Path) -> RunSummary | None:
+    """The run's typed summary, checked; None (with a warning) for a run too short to measure throughput."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"{path}: cannot read summary ({e})") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: summary is not a JSON object")
-    if "fingerprint" in data and "device_count" in data and not any(k in data for k in MEASURED_KEYS):
+    try:
+        summary = RunSummary.from_dict(data)
+    except (ValueError, TypeError) as e:
+        raise UserError(f"{path}: summary {e}") from None
+    if summary.sequences_per_sec is None:
         log.warning(f"{path}: no measured throughput (too few steps after warm-up): left out")
         return None
-    missing = [k for k in REQUIRED_KEYS if k not in data]
-    if missing:
-        raise UserError(f"{path}: summary lacks {', '.join(missing)}")
-    for key in REQUIRED_KEYS[1:]:
-        if not _positive_number(data[key]):
-            raise UserError(f"{path}: {key} must be a positive number (got {data[key]!r})")
-    return data
+    for key in ("device_count", "sequences_per_sec", "sequences_per_sec_per_device"):
+        if not _positive_number(getattr(summary, key)):
+            raise UserError(f"{path}: {key} must be a positive number (got {getattr(summary, key)!r})")
+    return summary
 
 
 def find_runs(roots: list[Path]) -> list[Run]:
@@ -121,7 +118,7 @@ def find_runs(roots: list[Path]) -> list[Run]:
 def group_runs(runs: list[Run]) -> dict[str, list[Run]]:
     groups: dict[str, list[Run]] = {}
     for r in runs:
-        groups.setdefault(str(r.summary["fingerprint"]), []).append(r)
+        groups.setdefault(str(r.summary.fingerprint), []).append(r)
     for g in groups.values():
         g.sort(key=lambda r: (r.devices, str(r.path)))
     return groups
@@ -251,21 +248,21 @@ def build_rows(
         for r in group:
             s = r.summary
             eff = efficiency(r, base)
-            wall = s.get("wall_time_s")
+            wall = s.wall_time_s
             row: dict[str, Any] = {
                 "fingerprint": fp,
                 "run": str(r.dir),
-                "model": s.get("model"),
-                "device_kind": s.get("device_kind"),
+                "model": s.model,
+                "device_kind": s.device_kind,
                 "nodes": r.nodes,
                 "accelerators": r.devices,
-                "threads_per_rank": s.get("threads_per_rank"),
-                "global_batch": s.get("global_batch"),
-                "seq_len": s.get("seq_len"),
-                "sequences_per_sec": float(s["sequences_per_sec"]),
+                "threads_per_rank": s.threads_per_rank,
+                "global_batch": s.global_batch,
+                "seq_len": s.seq_len,
+                "sequences_per_sec": float(s.sequences_per_sec or 0.0),
                 "sequences_per_sec_per_accelerator": r.per_device,
-                "tokens_per_sec_per_accelerator": s.get("tokens_per_sec_per_device"),
-                "mfu": s.get("mfu"),
+                "tokens_per_sec_per_accelerator": s.tokens_per_sec_per_device,
+                "mfu": s.mfu,
                 "scaling_efficiency": eff,
                 "baseline_run": str(base.dir) if base is not None else None,
                 "is_baseline": base is not None and r is base,
@@ -278,7 +275,7 @@ def build_rows(
                 row["projected_hours"] = hours
                 row["projected_accelerator_hours"] = hours * r.devices if hours is not None else None
                 row["projection_extrapolated"] = any(
-                    p.model != s.get("model") or p.seq_len != s.get("seq_len") for p in recipe.phases
+                    p.model != s.model or p.seq_len != s.seq_len for p in recipe.phases
                 )
                 row["projected_cost"] = (
                     hours * r.nodes * price_per_instance_hour

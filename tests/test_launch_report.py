@@ -14,7 +14,7 @@ import pytest
 from common.errors import UserError
 from launch.report import build_rows, device_peak, find_runs, load_recipe
 from tests.conftest import REPO, run_env
-from training.metrics import config_fingerprint
+from training.metrics import RunSummary, config_fingerprint
 
 FLOPS_PER_TOKEN = 1.5e8
 SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))  # configs/cluster/ holds profiles
@@ -30,18 +30,49 @@ def write_summary(root: Path, name: str, world: int, seqs_per_s: float, threads:
     }
     run_dir = root / name
     run_dir.mkdir(parents=True)
-    summary = {
-        "model": model, "family": "bert", "world_size": world, "nodes": 1, "device_kind": "cpu",
-        "device_count": world, "threads_per_rank": threads, "precision": "bf16", "zero_stage": 2,
-        "micro_batch": 8, "global_batch": 32, "grad_accum": 32 // (8 * world), "seq_len": seq_len,
-        "steps": 20,
-        "sequences_per_sec": seqs_per_s, "tokens_per_sec": seqs_per_s * seq_len,
-        "sequences_per_sec_per_device": seqs_per_s / world,
-        "tokens_per_sec_per_device": seqs_per_s * seq_len / world, "flops_per_token": flops_per_token,
-        "tflops_per_device": 0.01, "mfu": mfu, "peak_memory_bytes": 1 << 30, "wall_time_s": wall,
-        "fingerprint": config_fingerprint(dict(cfg, world_size=world)), "config": cfg,
-    }  # fmt: skip
-    (run_dir / "summary.json").write_text(json.dumps(summary))
+    summary = RunSummary(
+        model=model,
+        family="bert",
+        world_size=world,
+        nodes=1,
+        device_kind="cpu",
+        device_count=world,
+        threads_per_rank=threads,
+        precision="bf16",
+        zero_stage=2,
+        zero_stage_requested=2,
+        optimizer="lans",
+        micro_batch=8,
+        global_batch=32,
+        grad_accum=32 // (8 * world),
+        seq_len=seq_len,
+        steps=20,
+        measured_steps=18,
+        samples=20 * 32,
+        tokens=20 * 32 * seq_len,
+        flops_per_token=flops_per_token,
+        peak_flops_per_device=None,
+        attempt=1,
+        stopped="",
+        peak_memory_bytes=1 << 30,
+        startup_s=1.0,
+        warmup_s=1.0,
+        train_window_s=wall - 2.0,
+        eval_s=0.0,
+        save_s=0.0,
+        log_s=0.0,
+        wall_time_s=wall,
+        final_loss=7.0,
+        fingerprint=config_fingerprint(dict(cfg, world_size=world)),
+        config=cfg,
+        sequences_per_sec=seqs_per_s,
+        tokens_per_sec=seqs_per_s * seq_len,
+        sequences_per_sec_per_device=seqs_per_s / world,
+        tokens_per_sec_per_device=seqs_per_s * seq_len / world,
+        tflops_per_device=0.01,
+        mfu=mfu,
+    )
+    (run_dir / "summary.json").write_text(json.dumps(summary.to_dict()))
     return run_dir
 
 
@@ -156,7 +187,13 @@ def test_cli_recipe_alone_on_a_device() -> None:
 def test_too_short_run_is_left_out(runs: Path) -> None:
     short = runs / "short"
     short.mkdir()
-    (short / "summary.json").write_text(json.dumps({"fingerprint": "x", "device_count": 2, "steps": 3}))
+    measured = json.loads((runs / "w1" / "summary.json").read_text())
+    unmeasured = {
+        k: v for k, v in measured.items() if "_per_sec" not in k and k not in ("mfu", "tflops_per_device")
+    }
+    (short / "summary.json").write_text(
+        json.dumps(unmeasured)
+    )  # as train.py writes a run of warm-up steps only
     assert sorted(r.dir.name for r in find_runs([runs])) == ["w1", "w2", "w2-t2", "w4"]
 
 

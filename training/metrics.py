@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -144,7 +144,7 @@ class RunSummary:
     measured_steps: int
     samples: int
     tokens: int
-    flops_per_token: float
+    flops_per_token: float | None  # None only in summaries of runs that could not count their FLOPs
     peak_flops_per_device: float | None
     attempt: int
     stopped: str  # "" (finished), "sigterm" or "stop_at_step"
@@ -172,11 +172,16 @@ class RunSummary:
         """Flat JSON: the evaluation figures (``eval_*``) sit at the top level."""
         out = {k: v for k, v in asdict(self).items() if k != "evaluation"}
         out.update(self.evaluation)
-        return {k: v for k, v in out.items() if v is not None or k in ("mfu", "final_loss")}
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunSummary:
+        """A summary read back from JSON; ValueError naming the fields a summary.json lacks."""
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"lacks {', '.join(missing)}")
         names = {f.name for f in fields(cls)}
-        known = {k: v for k, v in d.items() if k in names}
-        known["evaluation"] = {k: v for k, v in d.items() if k.startswith("eval_")}
+        known = {k: v for k, v in d.items() if k in names and k != "evaluation"}
+        known["evaluation"] = {k: v for k, v in d.items() if k.startswith("eval_") and k not in names}
         return cls(**known)

@@ -41,7 +41,7 @@ def main() -> int:
 
     from common.atomic import atomic_write_json
     from common.cluster import node_count
-    from training.metrics import config_fingerprint, throughput
+    from training.metrics import RunSummary, config_fingerprint, throughput
 
     threads = int(cfg["run"].get("threads_per_rank", 1))
     torch.set_num_threads(threads)
@@ -84,33 +84,49 @@ def main() -> int:
     if rank == 0:
         run_dir = Path(cfg["run"]["dir"])
         resolved = dict(cfg, world_size=world)
-        summary = {
-            "model": "standin-mlp",
-            "family": "standin",
-            "world_size": world,
-            "nodes": node_count(),
-            "device_kind": "cpu",
-            "device_count": world,
-            "threads_per_rank": threads,
-            "precision": "fp32",
-            "zero_stage": 0,
-            "micro_batch": micro,
-            "global_batch": gbatch,
-            "grad_accum": accum,
-            "seq_len": seq,
-            "steps": steps,
-            "sequences_per_sec": tp.sequences_per_sec,
-            "tokens_per_sec": tp.tokens_per_sec,
-            "sequences_per_sec_per_device": tp.sequences_per_sec_per_device,
-            "tokens_per_sec_per_device": tp.tokens_per_sec_per_device,
+        summary = RunSummary(
+            model="standin-mlp",
+            family="standin",
+            world_size=world,
+            nodes=node_count(),
+            device_kind="cpu",
+            device_count=world,
+            threads_per_rank=threads,
+            precision="fp32",
+            zero_stage=0,
+            zero_stage_requested=0,
+            optimizer="adamw",
+            micro_batch=micro,
+            global_batch=gbatch,
+            grad_accum=accum,
+            seq_len=seq,
+            steps=steps,
+            measured_steps=steps - warmup,
+            samples=steps * gbatch,
+            tokens=steps * gbatch * seq,
             # 6 x matmul weights per token (forward + backward multiply-adds), model.flops's convention
-            "flops_per_token": 6.0 * sum(m.weight.numel() for m in model if isinstance(m, torch.nn.Linear)),
-            "mfu": None,
-            "wall_time_s": seconds,
-            "host": socket.gethostname(),
-            "fingerprint": config_fingerprint(resolved),
-            "config": resolved,
-        }
+            flops_per_token=6.0 * sum(m.weight.numel() for m in model if isinstance(m, torch.nn.Linear)),
+            peak_flops_per_device=None,
+            attempt=1,
+            stopped="",
+            peak_memory_bytes=0,
+            startup_s=0.0,
+            warmup_s=0.0,
+            train_window_s=seconds,
+            eval_s=0.0,
+            save_s=0.0,
+            log_s=0.0,
+            wall_time_s=seconds,
+            final_loss=None,
+            fingerprint=config_fingerprint(resolved),
+            config=resolved,
+            sequences_per_sec=tp.sequences_per_sec,
+            tokens_per_sec=tp.tokens_per_sec,
+            sequences_per_sec_per_device=tp.sequences_per_sec_per_device,
+            tokens_per_sec_per_device=tp.tokens_per_sec_per_device,
+            mfu=None,
+        ).to_dict()
+        summary["host"] = socket.gethostname()
         atomic_write_json(run_dir / "summary.json", summary)
     dist.barrier()
     return 0
