@@ -79,7 +79,7 @@ def plot(run_dir: Path, out: Path, baseline: float | None = None) -> Path:
         ax_acc.plot(acc, [evals[s]["eval_nsp_accuracy"] for s in acc], "s-", label="held-out NSP accuracy")
         if baseline is not None:
             ax_acc.axhline(baseline, color="grey", linestyle=":", label="MLM: most frequent token")
-        ax_acc.set_ylim(0, 1)
+        ax_acc.set_ylim(bottom=0)
     elif ev_steps:
         ax_acc.plot(ev_steps, [evals[s].get("eval_perplexity", float("nan")) for s in ev_steps], "o-",
                     label="held-out perplexity")  # fmt: skip
