@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 first = json.loads((run_dir / "summary.json").read_text())["startup_s"]
             else:
                 wall, out = run_once([*launcher(29660 + i), "benchmarks/startup_floor.py"], env)
-                first = json.loads(out.strip().splitlines()[-1])["startup_s"]
+                line = next(x for x in out.splitlines() if x.startswith('{"startup_s"'))
+                first = json.loads(line)["startup_s"]
             results[side]["wall"].append(wall)
             results[side]["first"].append(first)
             print(f"  {side:<5} launch->exit {wall:6.1f} s   process->first step {first:6.1f} s", flush=True)
