@@ -85,9 +85,11 @@ _WARNED: set[str] = set()
 
 
 def _warn_once(key: str, message: str) -> None:
+    """Once per process, and in a job only on rank 0: every rank of a job would say the same."""
     if key not in _WARNED:
         _WARNED.add(key)
-        log.warning(message)
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.warning(message)
 
 
 def device_name() -> str:
