@@ -89,6 +89,7 @@ def common(data: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
         "checkpoint.every=4",
         "train.eval_every=4",
         "train.eval_samples=32",
+        "train.deterministic=true",  # the resume tests below must still repeat exactly
         *extra,
     ]
 
