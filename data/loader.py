@@ -26,6 +26,7 @@ come from ``data.h5format``'s schema.
 
 from __future__ import annotations
 
+import signal
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
@@ -307,6 +308,11 @@ class _Stream(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[torch.Tensor]:
         info = torch.utils.data.get_worker_info()
         k, K = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:
+            # A scheduler's SIGTERM reaches the whole process group (scancel, the launcher's tree kill). The
+            # worker must outlive it: the rank finishes its step with this worker's data, saves and exits,
+            # and the worker ends with its parent.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         reader = _Reader(self.files, self.kind, self.index)
         try:
             for j, chunk in enumerate(self.schedule.chunks(*self.start, self.per_chunk)):

@@ -227,13 +227,9 @@ def test_half_written_checkpoint_is_ignored(bert_data, straight_run, tmp_path):
     assert not partial.exists()  # cleaned by the next successful save
 
 
-def test_sigterm_saves_and_exits_with_distinct_code(bert_data, tmp_path):
-    run_dir = tmp_path / "run"
-    cmd = [
-        *launcher(2, port=29600 + os.getpid() % 1000),
-        "train.py",
-        *common(bert_data, run_dir, "train.steps=10000"),
-    ]
+def signal_running_job(bert_data, run_dir: Path, port: int, target: str) -> tuple[int, str]:
+    """Start a long 2-rank job, wait for its second step, SIGTERM ``target`` ("rank1" or "launcher")."""
+    cmd = [*launcher(2, port=port), "train.py", *common(bert_data, run_dir, "train.steps=10000")]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -249,12 +245,31 @@ def test_sigterm_saves_and_exits_with_distinct_code(bert_data, tmp_path):
                      if "deepspeed.launcher.launch" in " ".join(p.cmdline())]  # fmt: skip
         ranks = [p for p in launchers[0].children() if "train.py" in " ".join(p.cmdline())]
         assert len(ranks) == 2
-        ranks[1].send_signal(signal.SIGTERM)  # one rank is enough: the ranks agree to stop together
+        (ranks[1] if target == "rank1" else launchers[0]).send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), (
+            "ranks left running"
+        )
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 3, output[-3000:]
+    return proc.returncode, output
+
+
+def test_sigterm_to_the_launcher_saves(bert_data, tmp_path):
+    """The launcher passes SIGTERM to its whole process tree, DataLoader workers included: the workers outlive
+    it, the ranks finish the step and save (before, a worker died and the job ended with no checkpoint)."""
+    run_dir = tmp_path / "run"
+    _, output = signal_running_job(bert_data, run_dir, 29700 + os.getpid() % 200, "launcher")
+    assert "SIGTERM: stopping after step" in output and "DataLoader worker" not in output, output[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{max(losses(run_dir)):08d}"
+
+
+def test_sigterm_saves_and_exits_with_distinct_code(bert_data, tmp_path):
+    run_dir = tmp_path / "run"
+    # one rank is enough: the ranks agree to stop together
+    rc, output = signal_running_job(bert_data, run_dir, 29600 + os.getpid() % 100, "rank1")
+    assert rc == 3, output[-3000:]
     tag = (run_dir / "checkpoints" / "latest").read_text().strip()
     stopped_at = max(losses(run_dir))
     assert tag == f"step{stopped_at:08d}"
