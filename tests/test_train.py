@@ -145,6 +145,9 @@ def test_run_writes_metrics_and_summary(straight_run):
     assert steps == list(range(1, 9))
     assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in records if "loss" in r)  # finite
     assert any("tokens_per_sec" in r and "mfu" in r and "peak_memory_bytes" in r for r in records)
+    # DeepSpeed's CPU shared-memory all-reduce (unused by training) is off: the job left nothing in /dev/shm
+    port = 29500 + os.getpid() % 1000  # conftest.launcher's port for this test process
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     # BERT's two losses are logged apart, and they add up to the total
     assert all(r["mlm_loss"] + r["nsp_loss"] == pytest.approx(r["loss"]) for r in records if "loss" in r)
 
