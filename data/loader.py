@@ -46,6 +46,7 @@ STATE_FORMAT = "wikipretrain-loader"
 STATE_VERSION = 1
 TARGET_BLOCK_BYTES = 1 << 20
 CHUNK_ROWS = 512  # rows a worker ships per transfer (rounded to whole micro-batches)
+WORKER_GRACE_S = 60  # how long a DataLoader worker outlives a SIGTERM (the launcher kills at 30 s)
 _CONSISTENT_KEYS = {
     "bert": ("seq_len", "max_pred", "vocab_sha256", "vocab_size", "lowercase", "format_version"),
     "gpt": ("seq_len", "tokenizer_sha256", "vocab_size", "eod_id", "format_version"),
@@ -288,6 +289,10 @@ class _Schedule:
             yield [next(it) for _ in range(per_chunk)]
 
 
+def _outlive_sigterm(signum: int, frame: Any) -> None:  # noqa: ARG001
+    signal.alarm(WORKER_GRACE_S)  # SIGALRM's default action ends the process
+
+
 class _Stream(torch.utils.data.IterableDataset):
     """DataLoader worker side: worker k of K produces micro-batches k, k+K, ... of the schedule; the
     DataLoader hands them out round-robin, i.e. in schedule order."""
@@ -311,8 +316,8 @@ class _Stream(torch.utils.data.IterableDataset):
         if info is not None:
             # A scheduler's SIGTERM reaches the whole process group (scancel, the launcher's tree kill). The
             # worker must outlive it: the rank finishes its step with this worker's data, saves and exits,
-            # and the worker ends with its parent.
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            # and the worker is shut down with it. A worker nobody shuts down ends by itself a minute later.
+            signal.signal(signal.SIGTERM, _outlive_sigterm)
         reader = _Reader(self.files, self.kind, self.index)
         try:
             for j, chunk in enumerate(self.schedule.chunks(*self.start, self.per_chunk)):

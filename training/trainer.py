@@ -446,6 +446,11 @@ class Trainer:
 
     def close(self) -> None:
         """Release the loader's workers and finish wandb; safe to call more than once."""
+        if self._iter is not None:  # end the iteration: the DataLoader shuts its workers down now
+            close_iter = getattr(self._iter, "close", None)
+            if close_iter is not None:
+                close_iter()
+            self._iter = None
         for obj in (self.loader, self.eval_set):
             close = getattr(obj, "close", None)
             if close is not None:
