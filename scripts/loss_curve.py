@@ -34,7 +34,11 @@ ISA_ENV = {
     "ATEN_CPU_CAPABILITY": "default",
     "ONEDNN_MAX_CPU_ISA": "SSE41",
     "MKL_ENABLE_INSTRUCTIONS": "SSE4_2",
+    "MKL_CBWR": "SSE4_2",
 }
+# Every curve run pins its kernels to AVX2, which every CI machine has (Intel AVX-512 and AMD AVX2 alike):
+# ATen's vectorised kernels, oneDNN and MKL's code path (MKL_CBWR), so AVX-512 computes what AVX2 does.
+PINNED_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"}
 SPREAD_FACTOR = 10.0  # the tolerance is at most this many times the measured spread
 CONTROL_FRACTION = 0.5  # ... and at most this fraction of the smallest negative control's deviation
 SPREAD_FLOOR = 2.0**-23  # float32's relative resolution: the spread used when the runs are bit-identical
@@ -168,6 +172,7 @@ def train(settings: dict, data: dict[str, Path], run_dir: Path, env: dict[str, s
     e.update({"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
         e.pop(k, None)
+    e.update(PINNED_ENV)
     e.update(env or {})
     cmd = [sys.executable, "train.py", "--config", "smoke", *overrides(settings, data, run_dir)]
     res = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
