@@ -75,11 +75,6 @@ def all_reduce_values(values: Sequence[float], op: str = "sum", dtype=torch.floa
     return t.tolist()
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on any rank (a write error, a stop request)."""
-    return bool(all_reduce_values([1.0 if flag else 0.0], "max")[0])
-
-
 def barrier() -> None:
     if _active():
         if comm_device().type == "cpu":
