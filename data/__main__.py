@@ -1,4 +1,4 @@
-"""``python -m data {wiki,vocab,bert,gpt} ...``: the data pipeline's command line."""
+"""``python -m data {wiki,vocab,bert,gpt,convert,verify} ...``: the data pipeline's command line."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ SUBCOMMANDS = {
     "vocab": ("data.vocab", "train a WordPiece vocab.txt or a byte-level BPE tokenizer.json on text shards"),
     "bert": ("data.bert", "text shards -> BERT MLM/NSP instances in NVIDIA's HDF5 schema"),
     "gpt": ("data.gpt", "text shards or a local dataset -> packed GPT-NeoX token windows in HDF5"),
+    "convert": ("data.convert", "NVIDIA's (or format-1) HDF5 shards -> format-2 shards with a manifest"),
+    "verify": ("data.verify", "check a shard directory against its manifest: sizes, schema, rows, SHA-256"),
 }
 
 

@@ -117,7 +117,11 @@ def _shard_task(
         )
         ds = {
             name: h5format.create_dataset(
-                f, name, (n_inst, fld.row_width(S, P)) if fld.rank == 2 else (n_inst,), fld.dtype
+                f,
+                name,
+                (n_inst, fld.row_width(S, P)) if fld.rank == 2 else (n_inst,),
+                fld.dtype,
+                h5format.UNIT_ROWS["bert"],
             )
             for name, fld in h5format.BERT_SCHEMA.items()
         }
@@ -132,6 +136,7 @@ def _shard_task(
         "index": shard.index,
         "file": Path(out_file).name,
         "instances": n_inst,
+        **h5format.shard_record(out_file),
         "documents": ts.num_docs,
         "sentences": ts.num_sentences,
         "tokens": len(ts.tokens),

@@ -156,13 +156,14 @@ def _shard_task(
                 "dropped_tokens": dropped,
             },
         )
-        ds = h5format.create_dataset(f, "input_ids", win.shape, dtype)
+        ds = h5format.create_dataset(f, "input_ids", win.shape, dtype, h5format.UNIT_ROWS["gpt"])
         for s in range(0, len(win), 1024):
             ds[s : s + 1024] = win[s : s + 1024].astype(dtype)
     return {
         "index": index,
         "file": Path(out_file).name,
         "samples": len(win),
+        **h5format.shard_record(out_file),
         "documents": n_docs,
         "tokens": int(len(stream)),
         "dropped_tokens": int(dropped),

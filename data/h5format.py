@@ -3,8 +3,16 @@
 One module owns the schema so the writers (``data.bert``, ``data.gpt``) and the reader (``data.loader``)
 cannot drift apart. Shards carry attributes (format, version, vocabulary hash, every setting) so a
 loader can refuse a file built for another vocabulary or sequence length, naming the file and both
-values. NVIDIA-produced shards (same datasets, no attributes, gzip, int32 or int64) are accepted:
-what they do not say is inferred from the dataset shapes or treated as unknown.
+values. NVIDIA-produced shards (same datasets, no attributes, gzip, int32 or int64) are accepted on
+request: what they do not say is inferred from the dataset shapes or treated as unknown.
+
+Format versions. 1: rows chunked by 1,024 (a 64-row read decodes 1,024 rows). 2: rows chunked by the
+loader's unit (``UNIT_ROWS``: 64 BERT rows, one GPT window), so a rank reads only the rows it trains on,
+and ``manifest.json`` records every shard's size and SHA-256 beside its row count, so a loader needs no
+file open to plan and ``python -m data verify`` can check the content. Both are read; ``python -m data
+convert`` rewrites version 1 (and NVIDIA's) shards as version 2.
+
+A directory is complete only when its manifest is there: the writers put it in place last.
 """
 
 from __future__ import annotations
@@ -29,9 +37,14 @@ log = get_logger("data.h5format")
 
 BERT_FORMAT = "wikipretrain-bert"
 GPT_FORMAT = "wikipretrain-gpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 SHARD_GLOB = "*.h5"
+# the attributes every shard of a data set must agree on (they define a sample)
+CONSISTENT_KEYS = {
+    "bert": ("seq_len", "max_pred", "vocab_sha256", "vocab_size", "lowercase"),
+    "gpt": ("seq_len", "tokenizer_sha256", "vocab_size", "eod_id"),
+}
 
 
 class Field(NamedTuple):
@@ -64,11 +77,14 @@ BERT_SCHEMA: dict[str, Field] = {
 GPT_SCHEMA: dict[str, Field] = {"input_ids": Field(2, "i4", ("u2", "i4", "i8", "u4"), "seq_len+1")}
 SCHEMAS = {"bert": BERT_SCHEMA, "gpt": GPT_SCHEMA}
 
-# Compression of the shards we write. The loader reads contiguous blocks of rows; with several data-
-# parallel ranks each reads whole blocks and keeps its own rows, so decode speed matters more than disk.
-# lzf decodes several times faster than gzip at a similar ratio on these small-integer arrays.
+# Compression of the shards we write: lzf decodes several times faster than gzip at a similar ratio on
+# these small-integer arrays. Rows are chunked by the loader's unit of order (see data.loader): a rank's
+# share of a step is whole units, so it decodes no row it does not train on. BERT: 64 rows (~60 KB
+# decoded over the six datasets; the per-rank share of NVIDIA's phase-1 batch at 1,024 ranks). GPT: one
+# window (2,049 tokens), any rank count down to one window per rank.
 COMPRESSION = "lzf"
-CHUNK_ROWS = 1024
+UNIT_ROWS = {"bert": 64, "gpt": 1}
+V1_CHUNK_ROWS = 1024  # what format version 1 used
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -85,9 +101,11 @@ def write_attrs(f: h5py.File, attrs: Mapping[str, Any]) -> None:
         f.attrs[k] = "" if v is None else v
 
 
-def create_dataset(f: h5py.File, name: str, shape: tuple[int, ...], dtype: str) -> h5py.Dataset:
-    """Chunked by rows (``CHUNK_ROWS``) so block reads touch few chunks; lzf compressed."""
-    rows = max(1, min(CHUNK_ROWS, shape[0]))
+def create_dataset(
+    f: h5py.File, name: str, shape: tuple[int, ...], dtype: str, chunk_rows: int
+) -> h5py.Dataset:
+    """Chunked by ``chunk_rows`` rows (``UNIT_ROWS`` of the kind), lzf compressed."""
+    rows = max(1, min(chunk_rows, shape[0]))
     chunks = (rows, *shape[1:]) if shape[0] > 0 else None
     return f.create_dataset(
         name, shape=shape, dtype=dtype, chunks=chunks, compression=COMPRESSION if chunks else None
@@ -169,23 +187,90 @@ def inspect_shard(path: Path, kind: str) -> ShardInfo:
     return ShardInfo(Path(path), int(rows or 0), attrs, has_attrs)
 
 
-def resolve_shards(path: str | os.PathLike) -> list[Path]:
-    """A directory (manifest.json or ``*.h5``), a single ``.h5`` file, or a glob -> sorted shard paths."""
+@dataclass
+class ShardEntry:
+    """One shard as its manifest records it (size and hash only from format version 2)."""
+
+    path: Path
+    samples: int
+    file_bytes: int | None = None
+    sha256: str | None = None
+
+
+@dataclass
+class ShardList:
+    """A data set's shards and what is known of them before any is opened.
+
+    ``manifest`` is None for shards read without one (``require_manifest=False``); their counts and
+    attributes then come from opening every file. ``data_id`` identifies the data set (shard names,
+    counts, sizes, hashes and settings), so a checkpoint can tell it was taken on other data.
+    """
+
+    where: str
+    kind: str
+    entries: list[ShardEntry]
+    attrs: dict[str, Any]
+    chunk_rows: int | None
+    manifest: Path | None
+    version: int
+
+    @property
+    def files(self) -> list[Path]:
+        return [e.path for e in self.entries]
+
+    @property
+    def counts(self) -> list[int]:
+        return [e.samples for e in self.entries]
+
+    @property
+    def data_id(self) -> str:
+        listing = [[e.path.name, e.samples, e.file_bytes, e.sha256] for e in self.entries]
+        blob = json.dumps([listing, self.attrs], sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _no_manifest(where: str) -> UserError:
+    return UserError(
+        f"{where}: no {MANIFEST}. A directory written by `python -m data bert|gpt` is complete only when its "
+        "manifest is there (the writer puts it in place last), so this one was interrupted: run the command "
+        "again with --overwrite. Shards made elsewhere (NVIDIA's): run `python -m data convert`, or set "
+        "data.require_manifest=false to read them as they are"
+    )
+
+
+def read_manifest(directory: Path, kind: str) -> ShardList:
+    """Parse ``directory/manifest.json`` (no shard is opened); errors name the manifest."""
+    man = directory / MANIFEST
+    expected = BERT_FORMAT if kind == "bert" else GPT_FORMAT
+    try:
+        data = json.loads(man.read_text())
+        fmt, version = data["format"], int(data.get("format_version", 1))
+        settings = dict(data.get("settings", {}))
+        entries = []
+        for rec in data["shards"]:
+            samples = rec["samples"] if "samples" in rec else rec["instances"]
+            entries.append(
+                ShardEntry(directory / rec["file"], int(samples), rec.get("file_bytes"), rec.get("sha256"))
+            )
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{man}: not a valid shard manifest ({type(e).__name__}: {e})") from None
+    if fmt != expected:
+        raise UserError(f"{man}: format {fmt!r}, expected {expected!r} for {kind} shards")
+    if version > FORMAT_VERSION:
+        raise UserError(
+            f"{man}: format_version={version} is newer than this reader ({FORMAT_VERSION}); update the code"
+        )
+    if not entries:
+        raise UserError(f"{man}: lists no shards")
+    chunk_rows = data.get("chunk_rows") or (V1_CHUNK_ROWS if version == 1 else None)
+    attrs = {"format": fmt, "format_version": version, **settings}
+    return ShardList(str(man), kind, entries, attrs, chunk_rows, man, version)
+
+
+def glob_files(path: str | os.PathLike) -> list[Path]:
     p = Path(path)
     if p.is_dir():
-        man = p / MANIFEST
-        if man.exists():
-            try:
-                data = json.loads(man.read_text())
-                files = [p / s["file"] for s in data["shards"]]
-            except (ValueError, KeyError, TypeError) as e:
-                raise UserError(f"{man}: not a valid shard manifest ({e})") from None
-            missing = [str(f) for f in files if not f.exists()]
-            if missing:
-                raise UserError(f"{man}: lists shard {missing[0]} which does not exist")
-            return files
-        files = sorted(p.glob(SHARD_GLOB))
-        files += sorted(x for x in p.glob("*.hdf5"))
+        files = sorted(p.glob(SHARD_GLOB)) + sorted(p.glob("*.hdf5"))
         if not files:
             raise UserError(f"{p}: no .h5/.hdf5 shards (and no {MANIFEST}) in this directory")
         return files
@@ -195,6 +280,68 @@ def resolve_shards(path: str | os.PathLike) -> list[Path]:
     if not files:
         raise UserError(f"{path}: no such shard file, directory or glob match")
     return files
+
+
+def list_shards(path: str | os.PathLike, kind: str, *, require_manifest: bool = True) -> ShardList:
+    """The shards under ``path``: a directory with ``manifest.json`` (nothing opened), or, only with
+    ``require_manifest=False``, a directory of ``*.h5``/``*.hdf5``, one file or a glob (every file opened
+    and checked, as shards made elsewhere carry no manifest)."""
+    if kind not in SCHEMAS:
+        raise UserError(f"unknown shard kind {kind!r} (expected 'bert' or 'gpt')")
+    p = Path(path)
+    if p.is_dir() and (p / MANIFEST).exists():
+        return read_manifest(p, kind)
+    if require_manifest:
+        if p.is_dir() or p.is_file():
+            raise _no_manifest(str(p))
+        glob_files(path)  # a missing path or an empty glob says so first
+        raise _no_manifest(str(path))
+    infos = [inspect_shard(f, kind) for f in glob_files(path)]
+    attrs = check_consistent(infos, CONSISTENT_KEYS[kind])
+    entries = [ShardEntry(i.path, i.num_samples) for i in infos]
+    with h5py.File(infos[0].path, "r") as f:
+        chunks = f["input_ids"].chunks
+    version = int(attrs.get("format_version", 0) or 0)
+    return ShardList(str(path), kind, entries, attrs, chunks[0] if chunks else None, None, version)
+
+
+def check_listed(shards: ShardList) -> None:
+    """Cheap start-up check of a manifest's shards: each exists and has the recorded size (a stat per
+    shard, no open). Version 1 manifests record no size: existence only."""
+    for e in shards.entries:
+        try:
+            size = e.path.stat().st_size
+        except FileNotFoundError:
+            raise UserError(f"{shards.where}: lists shard {e.path} which does not exist") from None
+        if e.file_bytes is not None and size != e.file_bytes:
+            raise UserError(
+                f"{e.path}: {size} bytes but {shards.where} records {e.file_bytes}: the shard was changed or "
+                f"truncated after it was written; check with `python -m data verify {e.path.parent}`"
+            )
+
+
+def check_shard(shards: ShardList, i: int) -> ShardInfo:
+    """Open shard ``i`` and check it against its manifest: schema, row count and the settings."""
+    e = shards.entries[i]
+    info = inspect_shard(e.path, shards.kind)
+    if info.num_samples != e.samples:
+        raise UserError(f"{e.path}: {info.num_samples} rows but {shards.where} records {e.samples}")
+    if shards.manifest is not None:
+        for k in CONSISTENT_KEYS[shards.kind]:
+            a, b = shards.attrs.get(k), info.attrs.get(k)
+            if a is not None and b is not None and str(a) != str(b):
+                raise UserError(f"{e.path}: attribute {k}={b!r} but {shards.where} says {a!r}")
+    return info
+
+
+def chunk_rows_of(f: h5py.File) -> int | None:
+    chunks = f["input_ids"].chunks
+    return int(chunks[0]) if chunks else None
+
+
+def shard_record(path: str | os.PathLike) -> dict[str, Any]:
+    """What a version-2 manifest records of a written shard beside its counts: size and SHA-256."""
+    return {"file_bytes": os.path.getsize(path), "sha256": sha256_file(path)}
 
 
 def check_expect(attrs: Mapping[str, Any], expect: Mapping[str, Any] | None, where: str) -> None:
@@ -234,13 +381,14 @@ def write_manifest(
     totals: dict[str, int] = {}
     for s in shards:
         for k, v in s.items():
-            if isinstance(v, int) and k != "index":
+            if isinstance(v, int) and k not in ("index", "file_bytes"):
                 totals[k] = totals.get(k, 0) + v
     atomic_write_json(
         out / MANIFEST,
         {
             "format": BERT_FORMAT if kind == "bert" else GPT_FORMAT,
             "format_version": FORMAT_VERSION,
+            "chunk_rows": UNIT_ROWS[kind],
             "settings": dict(settings),
             "shards": shards,
             "totals": totals,

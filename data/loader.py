@@ -1,17 +1,37 @@
 """Distributed, exactly resumable loaders for the BERT and GPT HDF5 shards.
 
-Order. Per epoch, a deterministic shuffle (from ``seed`` and the epoch) defines one global sequence of
-all samples: the shards are cut into blocks of ``block_size`` consecutive rows, the blocks are
-permuted, consecutive groups of ``window_blocks`` blocks form windows, and the samples inside each
-window are permuted. Optimizer step k consumes global positions [k*G, (k+1)*G) of that sequence,
-G = micro_batch * grad_accum * dp_world; rank r takes the contiguous slice
-[r*micro_batch*grad_accum, (r+1)*micro_batch*grad_accum) of it, micro-batch m the m-th micro_batch of
-that slice. So the samples of a step do not depend on how many ranks share it, and the resume point
-(epoch, position in the epoch) is a count of global samples that any world size can continue from.
+Order. The shards are cut into units of ``unit_rows`` consecutive rows, aligned with the shards' HDF5
+chunks (format 2: 64 BERT rows, one GPT window; see ``data.h5format``). Per epoch, a keyed pseudo-random
+permutation (from ``seed`` and the epoch) orders all full units of the data set; each shard's short tail
+unit, if any, follows in a shuffled order at the end of the epoch. The units' rows, in that order, are one
+global sequence of all samples. Optimizer step k consumes global positions [k*G, (k+1)*G) of it,
+G = micro_batch * grad_accum * dp_world; rank r takes the contiguous slice [r*L, (r+1)*L),
+L = micro_batch * grad_accum, micro-batch m the m-th micro_batch of that slice. So the samples of a step
+do not depend on how many ranks share it, and the resume point (epoch, position in the epoch) is a count
+of global samples that any world size can continue from.
 
-Memory. Blocks are read with one contiguous HDF5 read each; a reader holds at most two windows
-(``buffer_samples`` rows), whatever the shard sizes. The block permutation is metadata (one integer
-per block).
+Reads. When L is a multiple of ``unit_rows`` (NVIDIA's phase-1 batch of 65,536 on up to 1,024 ranks;
+any GPT batch), a rank's slice is whole units and it decodes exactly the rows it trains on: the read
+amplification (HDF5 rows decompressed, whole chunks counted, over rows handed out; ``read_stats``) is 1,
+whatever the world size, except at the epoch's short tail units. Shards of format 1 (1,024-row chunks)
+and NVIDIA's are read too, at the amplification their chunking implies.
+
+Shuffle. A step's samples are G / unit_rows units drawn without replacement from the whole data set, so
+every step mixes all shards; inside a unit the rows are consecutive rows of one shard. BERT writers
+shuffle instances inside each shard (as NVIDIA's do), so a unit's 64 rows are random instances of one
+shard's text; a GPT unit is a single window, so a step's windows are drawn uniformly from the whole
+stream. The permutation is a 4-round Feistel network on the unit index (cycle-walking into range), so
+it costs O(1) memory however many units there are.
+
+Metadata. Row counts, sizes and settings come from ``manifest.json``: at start-up every rank stats each
+listed shard (size against the manifest) and opens only its share of them (shard i on rank
+i mod dp_world) to check the schema and the row count, so each shard is opened once per job, not once
+per rank. Any shard a reader opens later is checked against its row count again. ``python -m data
+verify`` checks the content hashes. A directory without a manifest is refused (an interrupted writer
+leaves one) unless ``require_manifest=False`` (shards made elsewhere: every file is opened and checked).
+
+Memory. A reader holds the units its last two micro-batches touched: at most 2 * (micro_batch + 2 *
+unit_rows) rows, whatever the shard sizes.
 
 Iteration. ``iter(loader)`` yields micro-batches forever, epoch after epoch, starting at the current
 position; ``state_dict()`` is the position after the last micro-batch handed out, so batches that
@@ -26,9 +46,10 @@ come from ``data.h5format``'s schema.
 
 from __future__ import annotations
 
+import math
 import signal
-from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,39 +64,37 @@ from data import h5format
 log = get_logger("data.loader")
 
 STATE_FORMAT = "wikipretrain-loader"
-STATE_VERSION = 1
-TARGET_BLOCK_BYTES = 1 << 20
-CHUNK_ROWS = 512  # rows a worker ships per transfer (rounded to whole micro-batches)
+STATE_VERSION = 2  # 1: the block/window order of format-1 days (not continued by this loader)
+ORDER = "units-feistel"
+CHUNK_ROWS = 512  # rows a worker ships per transfer (rounded to whole micro-batches and units)
 WORKER_GRACE_S = 60  # how long a DataLoader worker outlives a SIGTERM (the launcher kills at 30 s)
-_CONSISTENT_KEYS = {
-    "bert": ("seq_len", "max_pred", "vocab_sha256", "vocab_size", "lowercase", "format_version"),
-    "gpt": ("seq_len", "tokenizer_sha256", "vocab_size", "eod_id", "format_version"),
-}
 _warned_missing_attrs = False
 
 
 def _open_shards(
-    path: str | Path, kind: str, expect: dict | None
-) -> tuple[list[Path], list[int], dict[str, Any]]:
-    """Resolve and check the shards: (files, samples per file, the attributes they share)."""
+    path: str | Path, kind: str, expect: dict | None, require_manifest: bool, share: tuple[int, int] | None
+) -> h5format.ShardList:
+    """List and check the shards: the manifest, a stat of every shard, and a full check of this rank's
+    ``share`` (rank, world) of them; without a manifest (opt-in) every shard is opened."""
     global _warned_missing_attrs
     if kind not in h5format.SCHEMAS:
         raise UserError(f"loader kind {kind!r}: expected 'bert' or 'gpt'")
-    files = h5format.resolve_shards(path)
-    infos = [h5format.inspect_shard(f, kind) for f in files]
-    for info in infos:
-        h5format.check_expect(info.attrs, expect, str(info.path))
-    missing = [i.path.name for i in infos if not i.has_attrs]
-    if missing and not _warned_missing_attrs:
+    shards = h5format.list_shards(path, kind, require_manifest=require_manifest)
+    h5format.check_expect(shards.attrs, expect, shards.where)
+    if shards.manifest is not None:
+        h5format.check_listed(shards)
+        if share is not None:
+            rank, world = share
+            for i in range(rank, len(shards.entries), world):
+                h5format.check_shard(shards, i)
+    elif "format" not in shards.attrs and not _warned_missing_attrs:
         _warned_missing_attrs = True
         log.warning(
-            "%d shard(s) (e.g. %s) carry no attributes (NVIDIA-made?): seq_len/max_pred inferred from "
-            "shapes, vocabulary unknown and not checked",
-            len(missing),
-            missing[0],
+            "%s: shards carry no attributes (NVIDIA-made?): seq_len/max_pred inferred from shapes, "
+            "vocabulary unknown and not checked",
+            shards.where,
         )
-    attrs = h5format.check_consistent(infos, _CONSISTENT_KEYS[kind])
-    return files, [i.num_samples for i in infos], attrs
+    return shards
 
 
 def _check_ranks(dp_rank: int, dp_world: int, **positive: int) -> None:
@@ -92,134 +111,168 @@ def _widths(kind: str, attrs: dict[str, Any]) -> list[int]:
     return [f.row_width(seq, pred) for f in h5format.SCHEMAS[kind].values()]
 
 
-def _auto_block_size(kind: str, attrs: dict[str, Any]) -> int:
-    """About 1 MiB of rows per block (a power of two between 16 and 1024)."""
-    fields = h5format.SCHEMAS[kind].values()
-    row_bytes = sum(w * np.dtype(f.dtype).itemsize for w, f in zip(_widths(kind, attrs), fields))
-    b = 1024
-    while b > 16 and b * row_bytes > TARGET_BLOCK_BYTES:
-        b //= 2
-    return b
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on a uint64 array (multiplications wrap modulo 2**64)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
-class _Index:
-    """Shards -> blocks -> per-epoch global order; pure functions of (shards, seed, block size, window)."""
+class _Permutation:
+    """A keyed pseudo-random permutation of [0, n), evaluated index by index in O(1) memory: a 4-round
+    balanced Feistel network on the smallest even number of bits covering n (a bijection of
+    [0, 4**half)), cycle-walked into [0, n) (apply again until the value is in range; fewer than four
+    rounds on average)."""
 
-    def __init__(self, counts: list[int], block_size: int, window_blocks: int, seed: int) -> None:
-        self.block_size, self.window_blocks, self.seed = block_size, window_blocks, seed
-        shard, start, length = [], [], []
-        for s, n in enumerate(counts):
-            for b in range(0, n, block_size):
-                shard.append(s)
-                start.append(b)
-                length.append(min(block_size, n - b))
-        self.block_shard = np.asarray(shard, dtype=np.int64)
-        self.block_start = np.asarray(start, dtype=np.int64)
-        self.block_len = np.asarray(length, dtype=np.int64)
-        self.num_samples = int(sum(counts))
-        self._epoch_cache: tuple[int, np.ndarray, np.ndarray] | None = None
-        self._window_cache: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
+    def __init__(self, n: int, key: list[int]) -> None:
+        self.n = n
+        half = (max(2, (n - 1).bit_length()) + 1) // 2
+        self.half, self.mask = np.uint64(half), np.uint64((1 << half) - 1)
+        self.keys = np.random.SeedSequence(key).generate_state(4, dtype=np.uint64)
 
-    def epoch_layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(block order, window start positions with a final total) for an epoch."""
-        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
-            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch, 0])))
-            order = rng.permutation(len(self.block_len))
-            lens = self.block_len[order]
-            starts = np.concatenate([[0], np.cumsum(lens)])[:: self.window_blocks]
-            win_start = (
-                np.concatenate([starts, [self.num_samples]]) if starts[-1] != self.num_samples else starts
-            )
-            self._epoch_cache = (epoch, order, win_start)
-        return self._epoch_cache[1], self._epoch_cache[2]
+    def _rounds(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self.half, x & self.mask
+        for k in self.keys:
+            left, right = right, left ^ (_mix(right ^ k) & self.mask)
+        return (left << self.half) | right
 
-    def window_perm(self, epoch: int, w: int, size: int) -> np.ndarray:
-        key = (epoch, w)
-        perm = self._window_cache.get(key)
-        if perm is None:
-            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch, 1, w])))
-            perm = rng.permutation(size)
-            self._window_cache[key] = perm
-            while len(self._window_cache) > 2:
-                self._window_cache.popitem(last=False)
-        return perm
+    def __call__(self, i: np.ndarray) -> np.ndarray:
+        out = self._rounds(np.asarray(i, dtype=np.uint64))
+        todo = out >= np.uint64(self.n)
+        while todo.any():
+            out[todo] = self._rounds(out[todo])
+            todo = out >= np.uint64(self.n)
+        return out.astype(np.int64)
+
+
+class _Order:
+    """Shards -> units -> per-epoch global order; pure functions of (counts, unit_rows, seed)."""
+
+    def __init__(self, counts: list[int], unit_rows: int, seed: int) -> None:
+        self.unit, self.seed = unit_rows, seed
+        c = np.asarray(counts, dtype=np.int64)
+        full = c // unit_rows
+        self.full_first = np.concatenate([[0], np.cumsum(full)])  # first full-unit id of each shard
+        self.num_full = int(self.full_first[-1])
+        tails = np.flatnonzero(c % unit_rows)
+        self.tail_shard, self.tail_start, self.tail_len = tails, full[tails] * unit_rows, c[tails] % unit_rows
+        self.num_samples = int(c.sum())
+        self._epoch: tuple[int, _Permutation, np.ndarray, np.ndarray] | None = None
+
+    def _layout(self, epoch: int) -> tuple[_Permutation, np.ndarray, np.ndarray]:
+        if self._epoch is None or self._epoch[0] != epoch:
+            perm = _Permutation(self.num_full, [self.seed, epoch, 0])
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch, 1])))
+            tails = rng.permutation(len(self.tail_shard))
+            first = self.num_full * self.unit + np.concatenate([[0], np.cumsum(self.tail_len[tails])])
+            self._epoch = (epoch, perm, tails, first)
+        return self._epoch[1], self._epoch[2], self._epoch[3]
 
     def locate(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Epoch positions -> (window index, row inside the window's concatenated blocks)."""
-        _, win_start = self.epoch_layout(epoch)
-        w = np.searchsorted(win_start, positions, side="right") - 1
-        rows = np.empty(len(positions), dtype=np.int64)
-        for wi in np.unique(w):
-            sel = w == wi
-            size = int(win_start[wi + 1] - win_start[wi])
-            rows[sel] = self.window_perm(epoch, int(wi), size)[positions[sel] - win_start[wi]]
-        return w, rows
+        """Epoch positions -> (shard, row in the shard)."""
+        perm, tails, first = self._layout(epoch)
+        positions = np.asarray(positions, dtype=np.int64)
+        shard, row = np.empty_like(positions), np.empty_like(positions)
+        in_full = positions < self.num_full * self.unit
+        if in_full.any():
+            p = positions[in_full]
+            u = perm(p // self.unit)
+            s = np.searchsorted(self.full_first, u, side="right") - 1
+            shard[in_full], row[in_full] = s, (u - self.full_first[s]) * self.unit + p % self.unit
+        if not in_full.all():
+            p = positions[~in_full]
+            k = np.searchsorted(first, p, side="right") - 1
+            t = tails[k]
+            shard[~in_full], row[~in_full] = self.tail_shard[t], self.tail_start[t] + (p - first[k])
+        return shard, row
 
-    def window_blocks_of(self, epoch: int, w: int) -> np.ndarray:
-        order, _ = self.epoch_layout(epoch)
-        return order[w * self.window_blocks : (w + 1) * self.window_blocks]
+
+@dataclass
+class ReadStats:
+    """Rows decompressed (every HDF5 chunk a read touches counted whole, per row of all datasets) and
+    rows handed out, by one reader."""
+
+    rows_decoded: int = 0
+    rows_used: int = 0
+    files_opened: int = 0
+
+    @property
+    def amplification(self) -> float:
+        return self.rows_decoded / self.rows_used if self.rows_used else 0.0
 
 
 class _Reader:
-    """Reads whole windows (contiguous block reads) and gathers micro-batches; holds at most two windows."""
+    """Reads whole units and gathers micro-batches; keeps the units its last two reads touched."""
 
-    def __init__(self, files: list[Path], kind: str, index: _Index) -> None:
-        self.files, self.kind, self.index = files, kind, index
-        self.names = list(h5format.SCHEMAS[kind])  # packing order of a micro-batch row (see _unpack)
-        self.windows: OrderedDict[tuple[int, int], dict[str, np.ndarray]] = OrderedDict()
-        self.handles: OrderedDict[int, h5py.File] = OrderedDict()
+    def __init__(self, shards: h5format.ShardList, order: _Order) -> None:
+        self.shards, self.kind, self.order = shards, shards.kind, order
+        self.names = list(h5format.SCHEMAS[self.kind])  # packing order of a micro-batch row (see _unpack)
+        self.units: dict[tuple[int, int], np.ndarray] = {}
+        self.handles: dict[int, tuple[h5py.File, int | None]] = {}
+        self.stats = ReadStats()
         self.peak_buffered = 0
 
-    def _file(self, s: int) -> h5py.File:
-        f = self.handles.get(s)
-        if f is None:
-            f = h5py.File(self.files[s], "r")
-            self.handles[s] = f
-            while len(self.handles) > 64:
-                self.handles.popitem(last=False)[1].close()
-        else:
-            self.handles.move_to_end(s)
-        return f
+    def _file(self, s: int) -> tuple[h5py.File, int | None]:
+        got = self.handles.pop(s, None)
+        if got is None:
+            e = self.shards.entries[s]
+            try:
+                f = h5py.File(e.path, "r")
+            except OSError as err:
+                raise UserError(f"{e.path}: not a readable HDF5 file ({err})") from None
+            self.stats.files_opened += 1
+            rows = f["input_ids"].shape[0] if "input_ids" in f else -1
+            if rows != e.samples:
+                f.close()
+                raise UserError(f"{e.path}: {rows} rows but {self.shards.where} records {e.samples}")
+            got = (f, h5format.chunk_rows_of(f))
+            while len(self.handles) >= 64:
+                self.handles.pop(next(iter(self.handles)))[0].close()
+        self.handles[s] = got  # most recently used last
+        return got
 
-    def _window(self, epoch: int, w: int) -> dict[str, np.ndarray]:
-        key = (epoch, w)
-        buf = self.windows.get(key)
-        if buf is not None:
-            return buf
-        idx = self.index
-        parts: dict[str, list[np.ndarray]] = {n: [] for n in self.names}
-        for b in idx.window_blocks_of(epoch, w):
-            f = self._file(int(idx.block_shard[b]))
-            a, z = int(idx.block_start[b]), int(idx.block_start[b] + idx.block_len[b])
-            for n in self.names:
-                parts[n].append(f[n][a:z])
-        buf = {n: np.concatenate(v) for n, v in parts.items()}
-        self.windows[key] = buf
-        while len(self.windows) > 2:
-            self.windows.popitem(last=False)
-        self.peak_buffered = max(self.peak_buffered, sum(len(v["input_ids"]) for v in self.windows.values()))
-        return buf
+    def _unit(self, s: int, k: int) -> np.ndarray:
+        f, chunk = self._file(s)
+        a = k * self.order.unit
+        z = min(a + self.order.unit, self.shards.entries[s].samples)
+        rows = _pack([f[n][a:z] for n in self.names])
+        self.stats.rows_decoded += (-(-z // chunk) - a // chunk) * chunk if chunk else z - a
+        return rows
 
     def read(self, epoch: int, positions: np.ndarray) -> np.ndarray:
-        """One micro-batch packed as a single int32 array [B, sum of field widths] (one transfer, one
-        copy)."""
-        w, rows = self.index.locate(epoch, positions)
+        """One micro-batch packed as a single int32 array [B, sum of field widths] (one transfer)."""
+        shard, row = self.order.locate(epoch, positions)
+        unit = row // self.order.unit
+        keys, inverse = np.unique(np.stack([shard, unit], axis=1), axis=0, return_inverse=True)
+        inverse = inverse.reshape(-1)
+        keep: dict[tuple[int, int], np.ndarray] = {}
         out: np.ndarray | None = None
-        for wi in np.unique(w):
-            buf = self._window(epoch, int(wi))
-            sel = w == wi
-            part = _pack([buf[n][rows[sel]] for n in self.names])
+        for j, (s, k) in enumerate(keys.tolist()):
+            buf = self.units.get((s, k))
+            if buf is None:
+                buf = self._unit(s, k)
+            keep[(s, k)] = buf
             if out is None:
-                out = np.empty((len(positions), part.shape[1]), dtype=np.int32)
-            out[sel] = part
+                out = np.empty((len(positions), buf.shape[1]), dtype=np.int32)
+            sel = inverse == j
+            out[sel] = buf[row[sel] - k * self.order.unit]
+        # this read's units stay for the next read (a unit may span micro-batches); older ones go
+        held = sum(len(v) for v in keep.values()) + sum(
+            len(v) for k, v in self.units.items() if k not in keep
+        )
+        self.peak_buffered = max(self.peak_buffered, held)
+        self.units = keep
+        self.stats.rows_used += len(positions)
         assert out is not None
         return out
 
     def close(self) -> None:
-        for f in self.handles.values():
+        for f, _ in self.handles.values():
             f.close()
         self.handles.clear()
-        self.windows.clear()
+        self.units.clear()
 
 
 def _pack(fields: list[np.ndarray]) -> np.ndarray:
@@ -299,15 +352,14 @@ class _Stream(torch.utils.data.IterableDataset):
 
     def __init__(
         self,
-        files: list[Path],
-        kind: str,
-        index: _Index,
+        shards: h5format.ShardList,
+        order: _Order,
         schedule: _Schedule,
         start: tuple[int, int, int],
         per_chunk: int,
     ) -> None:
         super().__init__()
-        self.files, self.kind, self.index, self.schedule, self.start = files, kind, index, schedule, start
+        self.shards, self.order, self.schedule, self.start = shards, order, schedule, start
         self.per_chunk = per_chunk
 
     def __iter__(self) -> Iterator[torch.Tensor]:
@@ -318,7 +370,7 @@ class _Stream(torch.utils.data.IterableDataset):
             # worker must outlive it: the rank finishes its step with this worker's data, saves and exits,
             # and the worker is shut down with it. A worker nobody shuts down ends by itself a minute later.
             signal.signal(signal.SIGTERM, _outlive_sigterm)
-        reader = _Reader(self.files, self.kind, self.index)
+        reader = _Reader(self.shards, self.order)
         try:
             for j, chunk in enumerate(self.schedule.chunks(*self.start, self.per_chunk)):
                 if j % K == k:
@@ -331,8 +383,9 @@ class PretrainingLoader:
     """Micro-batches of BERT or GPT shards for one data-parallel rank; see the module docstring.
 
     ``num_workers=0`` reads in the calling process; ``>= 1`` uses that many DataLoader worker processes
-    that prefetch. ``block_size`` (rows per contiguous read; ``None``: about 1 MiB) and ``window_blocks``
-    (blocks shuffled together) define the order, so they are part of the resume state.
+    that prefetch. ``unit_rows`` (rows of the unit of order; ``None``: the shards' chunk rows) defines
+    the order with ``seed``, so it is part of the resume state. ``require_manifest=False`` reads shards
+    without a ``manifest.json`` (made elsewhere), opening every one of them.
     """
 
     def __init__(
@@ -348,15 +401,16 @@ class PretrainingLoader:
         num_workers: int = 1,
         expect: dict | None = None,
         drop_last: bool = True,
-        block_size: int | None = None,
-        window_blocks: int = 16,
+        unit_rows: int | None = None,
         prefetch_factor: int = 4,
+        require_manifest: bool = True,
     ) -> None:
         _check_ranks(
-            dp_rank, dp_world, micro_batch=micro_batch, grad_accum=grad_accum, window_blocks=window_blocks
+            dp_rank, dp_world, micro_batch=micro_batch, grad_accum=grad_accum, unit_rows=unit_rows or 1
         )
         self.kind = kind
-        self.files, self.counts, self._attrs = _open_shards(path, kind, expect)
+        self.shards = _open_shards(path, kind, expect, require_manifest, (dp_rank, dp_world))
+        self.files, self.counts, self._attrs = self.shards.files, self.shards.counts, self.shards.attrs
         self._widths = _widths(kind, self._attrs)
         self.micro_batch, self.grad_accum, self.dp_rank, self.dp_world = (
             micro_batch,
@@ -370,18 +424,25 @@ class PretrainingLoader:
             drop_last,
             prefetch_factor,
         )
-        self.block_size = int(block_size or _auto_block_size(kind, self._attrs))
-        self.window_blocks = window_blocks
-        self.index = _Index(self.counts, self.block_size, window_blocks, seed)
-        self.schedule = _Schedule(
-            self.index.num_samples, micro_batch, grad_accum, dp_rank, dp_world, drop_last
-        )
-        if self.index.num_samples == 0:
-            raise UserError(f"{path}: the shards hold no samples")
-        if drop_last and self.index.num_samples < self.schedule.G:
+        self.unit_rows = int(unit_rows or self.shards.chunk_rows or h5format.UNIT_ROWS[kind])
+        self.order = _Order(self.counts, self.unit_rows, seed)
+        n = self.order.num_samples
+        self.schedule = _Schedule(n, micro_batch, grad_accum, dp_rank, dp_world, drop_last)
+        if n == 0:
+            raise UserError(f"{self.shards.where}: the shards hold no samples")
+        if drop_last and n < self.schedule.G:
             raise UserError(
-                f"{path}: {self.index.num_samples} samples, fewer than one global batch of {self.schedule.G}"
+                f"{self.shards.where}: {n} samples, fewer than one global batch of {self.schedule.G}"
                 f" (micro_batch {micro_batch} x grad_accum {grad_accum} x dp_world {dp_world})"
+            )
+        slice_rows = micro_batch * grad_accum
+        if slice_rows % self.unit_rows and slice_rows < 16 * self.unit_rows:
+            log.info(
+                "loader: a rank's share of a step (%d rows) is not whole units of %d rows: it decodes up to "
+                "%.1fx the rows it uses",
+                slice_rows,
+                self.unit_rows,
+                (slice_rows + 2 * self.unit_rows) / slice_rows,
             )
         self.epoch, self.pos, self.micro = 0, 0, 0
         self.global_samples = 0  # consumed over all epochs (whole steps)
@@ -390,11 +451,11 @@ class PretrainingLoader:
     # ----------------------------------------------------------------- info
     @property
     def samples_per_epoch(self) -> int:
-        return self.index.num_samples
+        return self.order.num_samples
 
     @property
     def steps_per_epoch(self) -> int:
-        n, G = self.index.num_samples, self.schedule.G
+        n, G = self.order.num_samples, self.schedule.G
         return n // G if self.drop_last else -(-n // G)
 
     @property
@@ -407,29 +468,39 @@ class PretrainingLoader:
 
     @property
     def buffer_samples(self) -> int:
-        """Upper bound on rows a reader holds (two windows), independent of shard sizes."""
-        return 2 * self.window_blocks * self.block_size
+        """Upper bound on rows a reader holds (the units of two micro-batches), independent of shard sizes."""
+        return 2 * (self.micro_batch + 2 * self.unit_rows)
 
     @property
     def peak_buffered_samples(self) -> int:
         """Rows the in-process reader (``num_workers=0``) held at most so far."""
         return self._reader.peak_buffered if self._reader else 0
 
+    @property
+    def read_stats(self) -> ReadStats:
+        """Rows decoded and handed out by the in-process reader (``num_workers=0``) so far."""
+        return self._reader.stats if self._reader else ReadStats()
+
+    def _per_chunk(self) -> int:
+        """Micro-batches a worker ships at once: about CHUNK_ROWS rows, and whole units where a rank's
+        share of a step is whole units (two workers never decode the same unit)."""
+        per_unit = self.unit_rows // math.gcd(self.unit_rows, self.micro_batch)
+        return max(1, CHUNK_ROWS // (self.micro_batch * per_unit)) * per_unit
+
     # ------------------------------------------------------------ iteration
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         start = (self.epoch, self.pos, self.micro)
         if self.num_workers <= 0:
             if self._reader is None:
-                self._reader = _Reader(self.files, self.kind, self.index)
+                self._reader = _Reader(self.shards, self.order)
             for epoch, positions in self.schedule.iterate(*start):
                 batch = self._unpack(torch.from_numpy(self._reader.read(epoch, positions)))
                 self._consumed()
                 yield batch
         else:
             # workers ship several micro-batches per transfer: the per-transfer cost dominates small batches
-            per_chunk = max(1, CHUNK_ROWS // self.micro_batch)
             dl = torch.utils.data.DataLoader(
-                _Stream(self.files, self.kind, self.index, self.schedule, start, per_chunk),
+                _Stream(self.shards, self.order, self.schedule, start, self._per_chunk()),
                 batch_size=None,
                 num_workers=self.num_workers,
                 prefetch_factor=self.prefetch_factor,
@@ -469,9 +540,11 @@ class PretrainingLoader:
             "grad_accum": self.grad_accum,
             "dp_world": self.dp_world,
             "drop_last": self.drop_last,
-            "block_size": self.block_size,
-            "window_blocks": self.window_blocks,
-            "num_samples": self.index.num_samples,
+            "order": ORDER,
+            "unit_rows": self.unit_rows,
+            "num_samples": self.order.num_samples,
+            "data_id": self.shards.data_id,
+            "data": self.shards.where,
             "shards": self._fingerprint(),
         }
 
@@ -484,16 +557,27 @@ class PretrainingLoader:
         """
         if state.get("format") != STATE_FORMAT:
             raise UserError(f"loader state: format {state.get('format')!r}, expected {STATE_FORMAT!r}")
-        if int(state.get("version", 0)) > STATE_VERSION:
+        version = int(state.get("version", 0))
+        if version > STATE_VERSION:
+            raise UserError(f"loader state: version {version} is newer than this code ({STATE_VERSION})")
+        if version < STATE_VERSION:
             raise UserError(
-                f"loader state: version {state['version']} is newer than this code ({STATE_VERSION})"
+                f"loader state: version {version} (the block/window order of shard format 1) cannot be "
+                f"continued by this loader (version {STATE_VERSION}, unit order): resume with the release "
+                "that wrote the checkpoint, or start a new run"
+            )
+        if state.get("data_id") != self.shards.data_id:
+            raise UserError(
+                f"loader state: the checkpoint was taken on another data set ({state.get('data')}, id "
+                f"{str(state.get('data_id'))[:12]}) than {self.shards.where} (id "
+                f"{self.shards.data_id[:12]}); resume on the same shards and manifest, or start a new run"
             )
         for key, mine in (
             ("kind", self.kind),
             ("seed", self.seed),
-            ("block_size", self.block_size),
-            ("window_blocks", self.window_blocks),
-            ("num_samples", self.index.num_samples),
+            ("order", ORDER),
+            ("unit_rows", self.unit_rows),
+            ("num_samples", self.order.num_samples),
             ("drop_last", self.drop_last),
         ):
             if state.get(key) != mine:
@@ -528,8 +612,8 @@ class PretrainingLoader:
         pos = int(state["samples_in_epoch"])
         epoch = int(state["epoch"])
         if pos and (
-            (self.drop_last and pos + self.schedule.G > self.index.num_samples)
-            or pos >= self.index.num_samples
+            (self.drop_last and pos + self.schedule.G > self.order.num_samples)
+            or pos >= self.order.num_samples
         ):
             epoch, pos = epoch + 1, 0
         self.epoch, self.pos, self.micro = epoch, pos, micro
@@ -571,14 +655,17 @@ class EvalSet:
         dp_rank: int,
         dp_world: int,
         expect: dict | None = None,
+        require_manifest: bool = True,
     ) -> None:
         _check_ranks(dp_rank, dp_world, micro_batch=micro_batch, n=n)
         self.kind = kind
-        self.files, self.counts, self._attrs = _open_shards(path, kind, expect)
+        self.shards = _open_shards(path, kind, expect, require_manifest, None)
+        self.files, self.counts, self._attrs = self.shards.files, self.shards.counts, self.shards.attrs
         self._widths = _widths(kind, self._attrs)
         if n > sum(self.counts):
             raise UserError(
-                f"{path}: {sum(self.counts)} samples, fewer than the {n} evaluation samples asked for"
+                f"{self.shards.where}: {sum(self.counts)} samples, fewer than the {n} evaluation samples "
+                "asked for"
             )
         self.n, self.micro_batch, self.dp_rank, self.dp_world = n, micro_batch, dp_rank, dp_world
         self.start, self.stop = dp_rank * n // dp_world, (dp_rank + 1) * n // dp_world
@@ -608,10 +695,11 @@ class EvalSet:
         names = list(h5format.SCHEMAS[self.kind])
         pieces: list[np.ndarray] = []
         first = 0  # global index of the current shard's first sample
-        for file, count in zip(self.files, self.counts):
+        for i, count in enumerate(self.counts):
             a, z = max(self.start, first) - first, min(self.stop, first + count) - first
             if a < z:
-                with h5py.File(file, "r") as f:
+                h5format.check_shard(self.shards, i)
+                with h5py.File(self.files[i], "r") as f:
                     pieces.append(_pack([f[name][a:z] for name in names]))
             first += count
         return np.concatenate(pieces)
@@ -623,15 +711,4 @@ class EvalSet:
             yield _unpack(self.kind, torch.from_numpy(self._packed[rows[0] : rows[-1] + 1]), self._widths)
 
 
-def make_loader(path: str | Path, kind: str, **kwargs: Any) -> PretrainingLoader:
-    """Convenience: ``kind`` may also be inferred from the shards' ``format`` attribute (``kind="auto"``)."""
-    if kind == "auto":
-        first = h5format.resolve_shards(path)[0]
-        with h5py.File(first, "r") as f:
-            fmt = f.attrs.get("format", "")
-            fmt = fmt.decode() if isinstance(fmt, bytes) else str(fmt)
-            kind = "gpt" if fmt == h5format.GPT_FORMAT or "masked_lm_positions" not in f else "bert"
-    return PretrainingLoader(path, kind, **kwargs)
-
-
-__all__ = ["EvalSet", "PretrainingLoader", "make_loader"]
+__all__ = ["EvalSet", "PretrainingLoader", "ReadStats"]

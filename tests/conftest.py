@@ -86,3 +86,11 @@ def wiki_vocab(tmp_path_factory, wiki_text_dir) -> Path:
     from data.vocab import train_wordpiece
 
     return train_wordpiece(wiki_text_dir, tmp_path_factory.mktemp("vocab") / "vocab.txt", 8000)
+
+
+@pytest.fixture(scope="session")
+def bpe(wiki_text_dir: Path, tmp_path_factory) -> Path:
+    """A 2000-entry byte-level BPE ``tokenizer.json`` with ``<|endoftext|>``, built on the sample."""
+    from data.vocab import train_bpe
+
+    return train_bpe(wiki_text_dir, tmp_path_factory.mktemp("bpe") / "tokenizer.json", 2000)

@@ -35,13 +35,6 @@ def expect_error(p: subprocess.CompletedProcess, *needles: str) -> None:
         assert n in lines[0], (n, lines[0])
 
 
-@pytest.fixture(scope="module")
-def bpe(wiki_text_dir: Path, tmp_path_factory) -> Path:
-    from data.vocab import train_bpe
-
-    return train_bpe(wiki_text_dir, tmp_path_factory.mktemp("bpe") / "tokenizer.json", 2000)
-
-
 def shard_documents(path: Path, source: str) -> list[str]:
     """The documents of a shard read independently from its ``source`` attribute (file:start-end;...)."""
     docs: list[str] = []

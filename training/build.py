@@ -68,6 +68,7 @@ def _open_loader(data: DataSection, train: TrainSection, path: str | None, key: 
         seed=train.seed,
         num_workers=data.num_workers,
         expect=expect,
+        require_manifest=data.require_manifest,
     )
 
 
@@ -95,7 +96,8 @@ def open_data(cfg: Config, family, grad_accum: int, rank: int, world: int) -> Ru
         if not Path(data.eval).exists():
             raise UserError(f"data.eval={data.eval}: directory does not exist")
         eval_set = EvalSet(data.eval, kind, cfg.train.eval_samples, micro_batch=cfg.train.micro_batch,
-                           dp_rank=rank, dp_world=world, expect=expect)  # fmt: skip
+                           dp_rank=rank, dp_world=world, expect=expect,
+                           require_manifest=data.require_manifest)  # fmt: skip
     attrs = loader.attrs
     return RunData(loader, eval_set, kind, attrs, vocab_sha or attrs.get(family.hash_key))
 

@@ -61,6 +61,9 @@ class DataSection:
     """vocab.txt / tokenizer.json the shards were made with (checked against the shards' hash; exported)."""
     num_workers: int = 1
     """Loader worker processes per rank."""
+    require_manifest: bool = True
+    """Refuse shard directories without ``manifest.json`` (an interrupted ``python -m data bert|gpt`` leaves
+    one); false reads shards made elsewhere (NVIDIA's) as they are, every rank opening every file."""
 
 
 @dataclass
