@@ -1,12 +1,36 @@
-"""PretrainingLoader throughput (samples/s per process) and peak RSS on a small and a 10x larger BERT shard,
-with our lzf shards, uncompressed shards and NVIDIA-style gzip shards; peer: NVIDIA's HDF5
-``pretraining_dataset`` (the whole shard loaded into memory, then one sample at a time under a torch
-DataLoader with a RandomSampler), measured in the same run on the same files.
+"""The loader at many ranks, beside mosaicml-streaming on the same samples, in the same run.
 
-    python benchmarks/bench_loader.py [--micro-batch 64] [--seconds 4]
+    python benchmarks/bench_loader.py --world-sizes 1,128,1024              # BERT seq 128, batch 65,536
+    python benchmarks/bench_loader.py --kind gpt --world-sizes 1,64,512     # GPT seq 2048, batch 1,536
 
-Each configuration runs in its own process so that its peak RSS (``ru_maxrss`` of the process and its
-DataLoader workers) is its own. Needs no ../shared: the shard is built from the enwiki sample.
+Per simulated world size W (one data-parallel rank of W, in its own process; the others are not run
+because a rank's reads do not depend on them):
+
+- rows decoded per row used: every rank of W runs ``--steps`` steps in-process and counts the HDF5 rows it
+  decompresses, each chunk a read touches counted whole (``PretrainingLoader.read_stats``); the worst rank
+  is printed. Streaming reads uncompressed MDS samples (its default: no compression), so it decodes only
+  what it uses: printed as 1.00.
+- samples/s per rank from one worker: the last rank of W, its loader with one DataLoader worker process,
+  micro-batches taken for ``--seconds`` after the first.
+- start-up: construction to the first micro-batch; peak RSS of the process and its worker.
+
+The peer: ``streaming.StreamingDataset`` over the same samples written with ``MDSWriter`` (local shards,
+default shard size, no compression), configured as its documentation recommends: ``local=`` the
+directory, ``batch_size=`` the micro-batch, its default shuffle (``py1e``) and canonical nodes, under a
+torch DataLoader with one worker. Each simulated rank is one node of W (``WORLD_SIZE``/``RANK``, one rank
+per node), which is how streaming partitions samples over nodes; a one-member gloo group stands in for the
+other ranks in streaming's one barrier.
+
+``--startup-shards N`` also times loader start-up over N shards (links to one shard, listed in a
+manifest) on rank 0 of ``max(world sizes)`` ranks, and counts the files it opens, against reading the
+same shards without a manifest (every rank opens every shard, as before format 2).
+
+Needs ``mosaicml-streaming`` (``pip install --no-deps mosaicml-streaming xxhash zstd brotli python-snappy
+cramjam catalogue``; its own dependencies would replace torch). Its package imports its torchvision
+datasets at import time; where no torchvision build matches the installed torch (this CPU machine),
+the streaming process puts an empty ``torchvision`` module in place first; streaming's text datasets
+and MDS reader do not use it. Builds its data from the enwiki sample (../shared's real vocabulary and
+tokenizer when present).
 """
 
 from __future__ import annotations
@@ -21,176 +45,324 @@ import tempfile
 import time
 from pathlib import Path
 
-import h5py
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from data.h5format import BERT_SCHEMA  # noqa: E402
+SHARED = REPO.parent / "shared" / "data"
+SETUP = {  # kind -> (seq_len, global batch, micro-batch); gradient accumulation fills the batch at W ranks
+    "bert": (128, 65536, 64),  # NVIDIA's phase 1
+    "gpt": (2048, 1536, 1),  # GPT-NeoX 20B's batch; one window per micro-batch
+}
 
-NAMES = list(BERT_SCHEMA)  # the datasets of a BERT shard, NVIDIA's names and order
+
+def env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 
 
-def run_ours(path: str, workers: int, mb: int, seconds: float) -> dict:
+# ------------------------------------------------------------------------------------------------- data
+def build(work: Path, kind: str) -> Path:
+    """Format-2 shards from the enwiki sample, with at least two global batches of samples."""
+    from data.sample import sample_dump_path
+    from data.wiki import extract_dump
+
+    text = work / "text"
+    extract_dump([sample_dump_path()], text, workers=2, shards=4)
+    seq, G, _ = SETUP[kind]
+    out = work / kind
+    if kind == "bert":
+        vocab = SHARED / "bert-base-uncased-vocab.txt"
+        if not vocab.exists():
+            from data.vocab import train_wordpiece
+
+            vocab = train_wordpiece(text, work / "vocab.txt", 8000)
+        # ~5,500 instances per pass over the sample: enough passes for two global batches
+        dupe = -(-2 * G // 5000)
+        args = [
+            "bert",
+            "--text",
+            str(text),
+            "--vocab",
+            str(vocab),
+            "--dupe-factor",
+            str(dupe),
+            "--shards",
+            "8",
+        ]
+    else:
+        tok = SHARED / "gpt-neox-20b-tokenizer.json"
+        if not tok.exists():
+            from data.vocab import train_bpe
+
+            tok = train_bpe(text, work / "tokenizer.json", 8000)
+        # ~260 windows of 2,048 per copy of the sample text: enough copies for two global batches
+        copies = -(-2 * G // 250)
+        big = work / "text-x"
+        big.mkdir()
+        for i in range(copies):
+            for f in sorted(text.glob("*.txt")):
+                os.link(f, big / f"{i:03d}-{f.name}")
+        args = ["gpt", "--text", str(big), "--tokenizer", str(tok), "--seq-len", str(seq), "--shards", "8"]
+    subprocess.run(
+        [sys.executable, "-m", "data", *args, "--out", str(out), "--workers", "2", "--no-progress"],
+        check=True,
+        cwd=REPO,
+        env=env(),
+    )
+    return out
+
+
+def write_mds(shards: Path, kind: str, out: Path) -> None:
+    """The same samples, in storage order, as streaming's MDS shards (its defaults: no compression)."""
+    import h5py
+
+    from data import h5format
+
+    install_torchvision_placeholder()
+    from streaming import MDSWriter
+
+    schema = h5format.SCHEMAS[kind]
+    man = json.loads((shards / "manifest.json").read_text())
+    with h5py.File(shards / man["shards"][0]["file"]) as f:
+        columns = {n: f"ndarray:int32:{f[n].shape[1]}" if f[n].ndim == 2 else "int32" for n in schema}
+    with MDSWriter(out=str(out), columns=columns) as w:
+        for rec in man["shards"]:
+            with h5py.File(shards / rec["file"]) as f:
+                arrays = {n: f[n][:].astype(np.int32) for n in schema}
+            for i in range(len(arrays["input_ids"])):
+                w.write({n: (a[i] if a.ndim == 2 else int(a[i])) for n, a in arrays.items()})
+
+
+def install_torchvision_placeholder() -> None:
+    """streaming imports torchvision's VisionDataset at package import; without a torchvision that loads
+    against this torch, give it an empty module (its vision datasets are not used here)."""
+    import importlib.machinery
+    import types
+
+    try:
+        import torchvision.datasets  # noqa: F401
+
+        return
+    except Exception:  # missing, or built for another torch
+        pass
+    mods = {
+        n: types.ModuleType(n)
+        for n in (
+            "torchvision",
+            "torchvision.datasets",
+            "torchvision.transforms",
+            "torchvision.transforms.functional",
+        )
+    }
+    for m in mods.values():
+        m.__spec__ = importlib.machinery.ModuleSpec(m.__name__, None)
+    mods["torchvision.datasets"].VisionDataset = type("VisionDataset", (), {})  # type: ignore[attr-defined]
+    mods["torchvision.datasets"].CIFAR10 = None  # type: ignore[attr-defined]
+    mods["torchvision.transforms.functional"].to_tensor = None  # type: ignore[attr-defined]
+    sys.modules.update(mods)
+
+
+# ----------------------------------------------------------------------------------- child processes
+def peak_rss_mib() -> float:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    return max(own, kids) / 1024
+
+
+def child_amplification(a: argparse.Namespace) -> dict:
+    """Every rank of W, in-process: the worst and mean rows decoded per row used over ``steps`` steps."""
     from data.loader import PretrainingLoader
 
-    ld = PretrainingLoader(
-        path, "bert", micro_batch=mb, grad_accum=1, dp_rank=0, dp_world=1, num_workers=workers
+    seq, G, mb = SETUP[a.kind]
+    ga = G // (mb * a.world)
+    amps = []
+    t0 = time.perf_counter()
+    for rank in range(a.world):
+        ld = PretrainingLoader(
+            a.data, a.kind, micro_batch=mb, grad_accum=ga, dp_rank=rank, dp_world=a.world, num_workers=0
+        )
+        it = iter(ld)
+        for _ in range(a.steps * ga):
+            next(it)
+        amps.append(ld.read_stats.amplification)
+        ld.close()
+    return {"worst": max(amps), "mean": float(np.mean(amps)), "seconds": time.perf_counter() - t0}
+
+
+def child_rate(a: argparse.Namespace) -> dict:
+    """The last rank of W with one DataLoader worker: start-up, samples/s, peak RSS."""
+    import torch  # noqa: F401
+
+    seq, G, mb = SETUP[a.kind]
+    ga = G // (mb * a.world)
+    rank = a.world - 1
+    t0 = time.perf_counter()
+    if a.loader == "ours":
+        from data.loader import PretrainingLoader
+
+        ld = PretrainingLoader(
+            a.data, a.kind, micro_batch=mb, grad_accum=ga, dp_rank=rank, dp_world=a.world, num_workers=1
+        )
+        it = iter(ld)
+    else:
+        import torch.distributed as dist
+
+        from common.net import free_port
+
+        # streaming's only collective is a barrier at construction; a one-member group stands in for the
+        # W - 1 ranks not run, and the environment tells streaming which rank of W this is
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        os.environ.update(WORLD_SIZE=str(a.world), RANK=str(rank), LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
+        install_torchvision_placeholder()
+        from streaming import StreamingDataset
+        from streaming.base.util import clean_stale_shared_memory
+        from torch.utils.data import DataLoader
+
+        clean_stale_shared_memory()
+        ds = StreamingDataset(local=a.data, batch_size=mb, shuffle=True)
+        it = iter(DataLoader(ds, batch_size=mb, num_workers=1, persistent_workers=True))
+    first = next(it)
+    startup = time.perf_counter() - t0
+    n, t1 = 0, time.perf_counter()
+    while time.perf_counter() - t1 < a.seconds:
+        try:
+            b = next(it)
+        except StopIteration:  # streaming: one epoch per iterator
+            it = iter(DataLoader(ds, batch_size=mb, num_workers=1, persistent_workers=True))
+            continue
+        n += len(b["input_ids"])
+    del first
+    return {
+        "samples_per_s": n / (time.perf_counter() - t1),
+        "startup_s": startup,
+        "peak_rss_mib": peak_rss_mib(),
+    }
+
+
+def child_startup(a: argparse.Namespace) -> dict:
+    """Loader start-up over many shards on rank 0 of W: seconds and HDF5 files opened (the real h5py.File,
+    counted)."""
+    import h5py
+
+    from data.loader import PretrainingLoader
+
+    real, opened = h5py.File, [0]
+
+    def counting(*args, **kw):
+        opened[0] += 1
+        return real(*args, **kw)
+
+    h5py.File = counting  # type: ignore[misc]
+    t0 = time.perf_counter()
+    PretrainingLoader(
+        a.data,
+        a.kind,
+        micro_batch=1,
+        grad_accum=1,
+        dp_rank=0,
+        dp_world=a.world,
+        num_workers=0,
+        require_manifest=a.loader == "ours",
     )
-    it = iter(ld)
-    for _ in range(20):  # warm-up: worker start, first windows
-        next(it)
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        n += len(next(it)["input_ids"])
-    return {"samples_per_s": n / (time.perf_counter() - t0), "buffer_samples": ld.buffer_samples}
+    return {"startup_s": time.perf_counter() - t0, "files_opened": opened[0]}
 
 
-def run_peer(path: str, workers: int, mb: int, seconds: float) -> dict:
-    """NVIDIA's HDF5 ``pretraining_dataset`` (run_pretraining.py before its switch to parquet; the same class
-    is in ``distillation/utils/data_utils.py``): loads the whole shard with ``f[key][:]``, then indexes one
-    sample at a time under a DataLoader with a RandomSampler."""
-    import torch
-    from torch.utils.data import DataLoader, Dataset, RandomSampler
-
-    class PretrainingDataset(Dataset):
-        def __init__(self, input_file: str, max_pred_length: int) -> None:
-            f = h5py.File(input_file, "r")
-            self.inputs = [np.asarray(f[key][:]) for key in NAMES]  # NVIDIA loads the whole shard into memory
-            f.close()
-            self.max_pred_length = max_pred_length
-
-        def __len__(self) -> int:
-            return len(self.inputs[0])
-
-        def __getitem__(self, index: int):
-            input_ids, input_mask, segment_ids, masked_lm_positions, masked_lm_ids, next_sentence_labels = [
-                torch.from_numpy(input[index].astype(np.int64))
-                if indice < 5
-                else torch.from_numpy(np.asarray(input[index].astype(np.int64)))
-                for indice, input in enumerate(self.inputs)
-            ]
-            masked_lm_labels = torch.zeros(input_ids.shape, dtype=torch.long) - 1
-            index = self.max_pred_length
-            padded_mask_indices = (masked_lm_positions == 0).nonzero()
-            if len(padded_mask_indices) != 0:
-                index = padded_mask_indices[0].item()
-            masked_lm_labels[masked_lm_positions[:index]] = masked_lm_ids[:index]
-            return [input_ids, segment_ids, input_mask, masked_lm_labels, next_sentence_labels]
-
-    ds = PretrainingDataset(path, 20)
-    dl = DataLoader(ds, sampler=RandomSampler(ds), batch_size=mb, num_workers=workers, drop_last=True)
-    n, t0 = 0, None
-    for i, b in enumerate(dl):
-        if i == 20:
-            t0 = time.perf_counter()
-        elif t0 is not None:
-            n += len(b[0])
-            if time.perf_counter() - t0 > seconds:
-                break
-    return {"samples_per_s": n / (time.perf_counter() - t0), "buffer_samples": len(ds)}
-
-
-def child(args: argparse.Namespace) -> int:
-    import torch  # noqa: F401  (the baseline includes torch, which both loaders need)
-
-    import data.loader  # noqa: F401
-
-    base_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    fn = run_ours if args.child == "ours" else run_peer
-    r = fn(args.path, args.workers, args.micro_batch, args.seconds)
-    self_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    kids_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    r["peak_rss_mib"] = max(self_kb, kids_kb) / 1024
-    r["rss_growth_mib"] = (self_kb - base_kb) / 1024  # the reading process above its post-import baseline
-    print("@@" + json.dumps(r))
-    return 0
-
-
-def measure(kind: str, path: Path, workers: int, mb: int, seconds: float) -> dict:
-    cmd = [sys.executable, __file__, "--child", kind, "--path", str(path), "--workers", str(workers),
-           "--micro-batch", str(mb), "--seconds", str(seconds)]  # fmt: skip
-    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
+def run_child(what: str, **kw) -> dict:
+    cmd = [sys.executable, __file__, "--child", what] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in kw.items()
+    ]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env())
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("@@")]
     if p.returncode or not line:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{p.stderr[-3000:]}")
     return json.loads(line[-1][2:])
 
 
-def build_shards(work: Path) -> dict[str, Path]:
-    from data.sample import sample_dump_path
-    from data.vocab import train_wordpiece
-    from data.wiki import extract_dump
-
-    text = work / "text"
-    extract_dump([sample_dump_path()], text, workers=1, shards=1)
-    vocab_path = REPO.parent / "shared" / "data" / "bert-base-uncased-vocab.txt"
-    vocab = vocab_path if vocab_path.exists() else train_wordpiece(text, work / "vocab.txt", 8000)
-    out = work / "bert"
-    subprocess.run([sys.executable, "-m", "data", "bert", "--text", str(text), "--vocab", str(vocab), "--out",
-                    str(out), "--shards", "1", "--no-progress"],
-                   check=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))  # fmt: skip
-    small = out / "bert-00000.h5"
-    files = {"small lzf": small}
-    with h5py.File(small) as src:
-        arrays = {k: src[k][:] for k in NAMES}
-        attrs = dict(src.attrs)
-    for label, reps, comp, dt in (
-        ("10x lzf", 10, "lzf", None),
-        ("10x none", 10, None, None),
-        ("10x gzip NVIDIA", 10, "gzip", "nv"),
-    ):
-        p = work / (label.replace(" ", "_") + ".h5")
-        with h5py.File(p, "w") as f:
-            for k, a in arrays.items():
-                data = np.concatenate([a] * reps)
-                f.create_dataset(
-                    k, data=data, chunks=(1024, *data.shape[1:]) if comp != "gzip" else True, compression=comp
-                )
-            if dt != "nv":  # NVIDIA's shards carry no attributes
-                for k, v in attrs.items():
-                    f.attrs[k] = v
-        files[label] = p
-    return files
+def many_shards(shards: Path, n: int, out: Path) -> Path:
+    """``n`` hard links to one shard and a manifest listing them (start-up cost only)."""
+    man = json.loads((shards / "manifest.json").read_text())
+    rec = man["shards"][0]
+    out.mkdir()
+    recs = []
+    for i in range(n):
+        name = f"{shards.name}-{i:05d}.h5"
+        os.link(shards / rec["file"], out / name)
+        recs.append({**rec, "file": name, "index": i})
+    (out / "manifest.json").write_text(json.dumps({**man, "shards": recs}))
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--micro-batch", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--kind", choices=("bert", "gpt"), default="bert")
+    ap.add_argument("--world-sizes", default="1,128,1024")
+    ap.add_argument("--steps", type=int, default=2, help="steps per rank for the amplification count")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--startup-shards", type=int, default=1000)
     ap.add_argument("--child")
-    ap.add_argument("--path")
-    ap.add_argument("--workers", type=int, default=0)
-    args = ap.parse_args()
-    if args.child:
-        return child(args)
+    ap.add_argument("--data")
+    ap.add_argument("--world", type=int, default=1)
+    ap.add_argument("--loader", default="ours")
+    a = ap.parse_args()
+    if a.child:
+        fn = {"amp": child_amplification, "rate": child_rate, "startup": child_startup}[a.child]
+        print("@@" + json.dumps(fn(a)), flush=True)
+        return 0
+    worlds = [int(w) for w in a.world_sizes.split(",")]
+    seq, G, mb = SETUP[a.kind]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_loader_") as tmp:
-        files = build_shards(Path(tmp))
-        for label, path in files.items():
-            with h5py.File(path) as f:
-                n = len(f["input_ids"])
-            size = path.stat().st_size / 2**20
-            configs = [("ours", 0), ("ours", 1), ("ours", 2)]
-            if label in ("small lzf", "10x gzip NVIDIA"):
-                configs += [("peer", 0), ("peer", 1)]
-            for kind, workers in configs:
-                r = measure(kind, path, workers, args.micro_batch, args.seconds)
-                rows.append((label, n, size, kind, workers, r))
+        work = Path(tmp)
+        data = build(work, a.kind)
+        mds = work / "mds"
+        write_mds(data, a.kind, mds)
+        n = sum(
+            r.get("instances", r.get("samples", 0))
+            for r in json.loads((data / "manifest.json").read_text())["shards"]
+        )
+        for w in worlds:
+            amp = run_child("amp", kind=a.kind, data=data, world=w, steps=a.steps)
+            ours = run_child("rate", kind=a.kind, data=data, world=w, seconds=a.seconds, loader="ours")
+            peer = run_child("rate", kind=a.kind, data=mds, world=w, seconds=a.seconds, loader="streaming")
+            rows.append((w, amp, ours, peer))
+        startup = []
+        if a.startup_shards:
+            many = many_shards(data, a.startup_shards, work / "many")
+            bare = work / "bare"  # the same links without the manifest
+            bare.mkdir()
+            for f in many.glob("*.h5"):
+                os.link(f, bare / f.name)
+            for loader, where in (("ours", many), ("no-manifest", bare)):
+                startup.append(
+                    (loader, run_child("startup", kind=a.kind, data=where, world=max(worlds), loader=loader))
+                )
     print(
-        f"\nBERT seq 128 loader, micro-batch {args.micro_batch}, {os.cpu_count()} CPUs, load avg "
-        f"{os.getloadavg()[0]:.1f}"
+        f"\n{a.kind.upper()} seq {seq}, global batch {G}, micro-batch {mb}, {n} samples; "
+        f"{os.cpu_count()} CPUs, load avg {os.getloadavg()[0]:.1f}"
     )
     print(
-        f"{'shard':<16} {'samples':>8} {'MiB':>6} {'loader':<26} {'workers':>7} {'samples/s':>10} "
-        f"{'peak RSS MiB':>13} {'growth MiB':>11} {'buffer rows':>12}"
+        f"{'ranks':>6} {'accum':>6} {'loader':<10} {'decoded/used (worst, mean)':>27} {'samples/s/rank':>15} "
+        f"{'start-up s':>11} {'peak RSS MiB':>13} {'ours/streaming':>15}"
     )
-    for label, n, size, kind, workers, r in rows:
-        name = "PretrainingLoader" if kind == "ours" else "NVIDIA pretraining_dataset"
+    for w, amp, ours, peer in rows:
+        ga = G // (mb * w)
+        ratio = ours["samples_per_s"] / peer["samples_per_s"]
         print(
-            f"{label:<16} {n:>8} {size:>6.1f} {name:<26} {workers:>7} {r['samples_per_s']:>10.0f} "
-            f"{r['peak_rss_mib']:>13.0f} {r['rss_growth_mib']:>11.0f} {r['buffer_samples']:>12}"
+            f"{w:>6} {ga:>6} {'ours':<10} {amp['worst']:>14.2f} {amp['mean']:>12.2f} "
+            f"{ours['samples_per_s']:>15.0f} {ours['startup_s']:>11.2f} {ours['peak_rss_mib']:>13.0f} "
+            f"{ratio:>14.2f}x"
+        )
+        print(
+            f"{'':>6} {'':>6} {'streaming':<10} {'1.00 (no compression)':>27} {peer['samples_per_s']:>15.0f} "
+            f"{peer['startup_s']:>11.2f} {peer['peak_rss_mib']:>13.0f}"
+        )
+    for loader, r in startup:
+        label = "manifest (format 2)" if loader == "ours" else "no manifest (every shard opened)"
+        print(
+            f"start-up over {a.startup_shards} shards, rank 0 of {max(worlds)}, {label}: "
+            f"{r['startup_s']:.2f} s, {r['files_opened']} HDF5 files opened"
         )
     return 0
 
