@@ -12,7 +12,7 @@ because a rank's reads do not depend on them):
   what it uses: printed as 1.00.
 - samples/s per rank from one worker: the last rank of W, its loader with one DataLoader worker process,
   micro-batches taken for ``--seconds`` after the first.
-- start-up: construction to the first micro-batch; peak RSS of the process and its worker.
+- start-up: construction to the first micro-batch; peak RSS: the process's plus its worker's (VmHWM).
 
 The peer: ``streaming.StreamingDataset`` over the same samples written with ``MDSWriter`` (local shards,
 default shard size, no compression), configured as its documentation recommends: ``local=`` the
@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -164,10 +163,20 @@ def install_torchvision_placeholder() -> None:
 
 
 # ----------------------------------------------------------------------------------- child processes
+def _hwm_kib(pid: int | str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
 def peak_rss_mib() -> float:
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(own, kids) / 1024
+    """Peak resident memory of this process plus its live children (the DataLoader worker), from
+    /proc (ru_maxrss would miss a worker that has not exited)."""
+    kids = []
+    for task in Path("/proc/self/task").iterdir():
+        kids += (task / "children").read_text().split()
+    return (_hwm_kib("self") + sum(_hwm_kib(k) for k in kids)) / 1024
 
 
 def child_amplification(a: argparse.Namespace) -> dict:

@@ -40,7 +40,7 @@ class BertShards(torch.utils.data.Dataset):
     once)."""
 
     def __init__(self, path: str | Path) -> None:
-        files = h5format.resolve_shards(path)
+        files = h5format.list_shards(path, "bert").files
         cols: dict[str, list[np.ndarray]] = {}
         for f in files:
             with h5py.File(f, "r") as h:
@@ -134,7 +134,7 @@ class GptShards(torch.utils.data.Dataset):
 
     def __init__(self, path: str | Path) -> None:
         rows = []
-        for f in h5format.resolve_shards(path):
+        for f in h5format.list_shards(path, "gpt").files:
             with h5py.File(f, "r") as h:
                 rows.append(h["input_ids"][:])
         self.rows = np.concatenate(rows)
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = get_spec(args.model)
     kind = family_of(spec).shard_kind
-    info = h5format.inspect_shard(h5format.resolve_shards(args.data)[0], kind)
+    info = h5format.inspect_shard(h5format.list_shards(args.data, kind).files[0], kind)
     vocab_size = int(info.attrs["vocab_size"])
     seq_len = int(info.attrs["seq_len"])
     dataset = BertShards(args.data) if kind == "bert" else GptShards(args.data)
