@@ -319,3 +319,35 @@ def test_resume_refuses_other_data_and_old_states(bert: Path, tmp_path: Path) ->
     same = bert_loader(bert, mb=8)
     same.load_state_dict(state)  # the same data in another process: accepted
     assert os.fspath(same.shards.manifest).endswith("manifest.json")
+
+
+def test_format_1_directories_are_read_and_converted(bert: Path, tmp_path: Path) -> None:
+    """A format-1 directory (1,024-row chunks, a manifest without sizes or hashes) still loads, in units of
+    its chunks, and `data convert` rewrites it as format 2 with the same rows."""
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    man = json.loads((bert / "manifest.json").read_text())
+    for rec in man["shards"]:
+        with h5py.File(bert / rec["file"]) as s, h5py.File(v1 / rec["file"], "w") as d:
+            for k in NAMES:
+                a = s[k][:]
+                d.create_dataset(k, data=a, compression="lzf", chunks=(min(1024, len(a)), *a.shape[1:]))
+            d.attrs.update({**s.attrs, "format_version": 1})
+        for k in ("file_bytes", "sha256"):
+            rec.pop(k)
+    man.pop("chunk_rows")
+    man["format_version"] = 1
+    (v1 / "manifest.json").write_text(json.dumps(man))
+    ld = bert_loader(v1, mb=8, drop_last=False)
+    assert ld.unit_rows == 1024
+    it = iter(ld)
+    got = [k for _ in range(ld.steps_per_epoch) for k in batch_keys(next(it))]
+    want = [k for f in sorted(bert.glob("*.h5")) for k in file_keys(f)]
+    assert Counter(got[: ld.samples_per_epoch]) == Counter(want)
+    p = data_cli("verify", str(v1))
+    assert "format version 1 records no hashes" in p.stdout
+    out = tmp_path / "v2"
+    data_cli("convert", "--src", str(v1), "--out", str(out))
+    data_cli("verify", str(out))
+    assert [k for f in sorted(out.glob("*.h5")) for k in file_keys(f)] == want
+    assert bert_loader(out).unit_rows == 64
