@@ -61,8 +61,9 @@ def run(cfg: Config) -> int:
         raise UserError(
             f"data.seq_len={cfg.data.seq_len} exceeds {spec.name}'s max_positions={spec.max_positions}"
         )
+    checkpoint.check_shared(ckpt_dir)
     point = checkpoint.find_resume(cfg.checkpoint, ckpt_dir, world=world, global_batch=cfg.train.global_batch,
-                                   steps=cfg.train.steps)  # fmt: skip
+                                   steps=cfg.train.steps, optimizer=cfg.optimizer.name)  # fmt: skip
     if point is not None and point.saved["step"] == cfg.train.steps:
         log.info(
             f"{point.ckpt_dir / point.tag} is already at train.steps={cfg.train.steps}: nothing to train"
@@ -165,7 +166,7 @@ def start_wandb(cfg: Config, run_dir: Path, resolved: dict):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
@@ -178,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         return run(cfg)
     except UserError as e:
-        if rank == 0:
+        if local_rank == 0:  # every rank raises the same error: one line per node, in each node's log
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     finally:

@@ -214,7 +214,9 @@ def test_refuses_architecture_change(bert_data, straight_run):
     assert "checkpoint has model layers=2 but this run has layers=4; refusing to resume" in res.stderr
 
 
-def test_half_written_checkpoint_is_ignored(bert_data, straight_run, tmp_path):
+def test_half_written_and_damaged_checkpoints(bert_data, straight_run, tmp_path):
+    """A tag without COMPLETE is ignored and removed by the next save; a COMPLETE tag whose model file was
+    truncated afterwards is passed over for the previous one, with a warning: never a fresh start."""
     import shutil
 
     run_dir = tmp_path / "run"
@@ -223,11 +225,17 @@ def test_half_written_checkpoint_is_ignored(bert_data, straight_run, tmp_path):
     partial = ckpt / "step00000099"
     partial.mkdir()
     (partial / "mp_rank_00_model_states.pt").write_bytes(b"truncated")
+    model = ckpt / "step00000008" / "mp_rank_00_model_states.pt"
+    with open(model, "r+b") as f:
+        f.truncate(1000)
     res = deepspeed(common(bert_data, run_dir, "train.steps=10"))
+    out = res.stdout + res.stderr
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "resumed from" in res.stdout + res.stderr and "step00000008" in res.stdout + res.stderr
+    assert f"checkpoint {ckpt / 'step00000008'} is damaged: {model} has 1000 bytes" in out
+    assert f"resumed from {ckpt / 'step00000004'} at step 4" in out
     assert (ckpt / "latest").read_text().strip() == "step00000010"
-    assert not partial.exists()  # cleaned by the next successful save
+    assert not partial.exists()  # cleaned by the next save
+    assert losses(run_dir)[5] == losses(straight_run)[5]  # step 5 redone from step 4's state, exactly
 
 
 def signal_running_job(bert_data, run_dir: Path, port: int, target: str) -> tuple[int, str]:

@@ -27,13 +27,21 @@ if _REASON:
 PORT = 29511
 
 
-def start(node, rank: int, master: str, hostfile: Path, args: list[str], log: Path) -> subprocess.Popen:
+def start(node, rank: int, master: str, hostfile: Path, args: list[str], log: Path,
+          private: Path | None = None) -> subprocess.Popen:  # fmt: skip
+    """Node ``rank``'s launcher; ``private``: a directory this node sees as its own empty tmpfs (a mount
+    namespace of its own), as a node-local disk would be."""
     env = {**run_env(), "GLOO_SOCKET_IFNAME": node.ifname}
-    cmd = node.cmd(
+    argv = [
         sys.executable, "-m", "deepspeed.launcher.runner", "--no_ssh", "--node_rank", str(rank),
         "--master_addr", master, "--master_port", str(PORT), "--hostfile", str(hostfile), "train.py", *args,
-    )  # fmt: skip
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    ]  # fmt: skip
+    if private is not None:  # the mount lives and dies with the namespace: nothing to unmount
+        argv = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                f'mount -t tmpfs -o size=64m tmpfs "{private}" && exec "$@"', "sh", *argv]  # fmt: skip
+    return subprocess.Popen(
+        node.cmd(*argv), cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT
+    )
 
 
 def wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
@@ -70,7 +78,7 @@ def test_two_node_training_then_node_failure_and_restart(bert_data, tmp_path):  
         # 1. A short run across both nodes: world size 2, ZeRO-2, replicas identical afterwards.
         args = train_args(bert_data, run_dir, "train.steps=4", "checkpoint.every=2")
         rcs = wait([start(n, r, n0.addr, hostfile, args, logs[r]) for r, n in enumerate((n0, n1))], 300)
-        assert rcs == [0, 0], [log.read_text()[-3000:] for log in logs]
+        assert rcs == [0, 0], [log.read_text()[-6000:] for log in logs]
         replicas = [json.loads((run_dir / "replicas" / f"rank{r}.json").read_text()) for r in range(2)]
         assert [r["world_size"] for r in replicas] == [2, 2]
         assert {r["address"] for r in replicas} == {n0.addr, n1.addr}  # both nodes took part
@@ -104,3 +112,21 @@ def test_two_node_training_then_node_failure_and_restart(bert_data, tmp_path):  
         text = logs[0].read_text()
         assert rcs == [0, 0], text[-3000:]
         assert f"resumed from {run_dir / 'checkpoints' / last}" in text
+
+        # 4. Node 1 gets a checkpoint directory of its own (node-local storage): refused at start-up on both
+        #    nodes, with one line naming the node and the path, before anything is trained or loaded.
+        ckpt = run_dir / "checkpoints"
+        before = sorted(p.name for p in ckpt.iterdir())
+        args = train_args(bert_data, run_dir, f"train.steps={last_step + 4}", "checkpoint.every=2")
+        procs = [start(n0, 0, n0.addr, hostfile, args, logs[0]),
+                 start(n1, 1, n0.addr, hostfile, args, logs[1], private=ckpt)]  # fmt: skip
+        t0 = time.monotonic()
+        rcs = wait(procs, 120)
+        assert all(rc not in (0, None) for rc in rcs), rcs
+        assert time.monotonic() - t0 < 120
+        for log in logs:
+            errors = [ln for ln in log.read_text().splitlines() if "error:" in ln]
+            assert len(errors) == 1, log.read_text()[-4000:]  # one line in each node's log
+            assert f"checkpoint.dir {ckpt} is not shared by every rank: node" in errors[-1], errors
+            assert "(rank 1) does not see" in errors[-1] and "node-local checkpoint directories" in errors[-1]
+        assert sorted(p.name for p in ckpt.iterdir()) == before, "nothing written or removed"

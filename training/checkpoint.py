@@ -5,18 +5,30 @@ Layout of ``CKPT_DIR``::
     step00000020/            one DeepSpeed tag: model/optimizer shards, written by every rank
         client_state.json    step, samples, tokens, loader state, resolved config (rank 0)
         rng_rank{R}.pt       python/numpy/torch RNG states of rank R
-        COMPLETE             written last, after a barrier: the tag is whole
+        COMPLETE             written last, after every rank fsynced its files and a barrier: the size of
+                             every file of the tag (JSON), so a damaged tag is recognised without loading it
     latest                   the newest complete tag, replaced atomically (rename) after COMPLETE
 
-A crash mid-save leaves a tag without ``COMPLETE`` and ``latest`` still naming the previous one; resume
-ignores incomplete tags and they are removed by the next successful save.
+Durability: each rank fsyncs the files of the tag before the commit barrier; rank 0 fsyncs the tag directory
+and ``CKPT_DIR`` after the renames of ``COMPLETE`` and ``latest``. A crash mid-save leaves a tag without
+``COMPLETE`` and ``latest`` still naming the previous one; resume ignores incomplete tags and a save removes
+them before it writes (freeing their space).
+
+Shared storage: checkpoints are committed by rank 0 and read by every rank, so ``CKPT_DIR`` must be one
+directory that every node mounts. ``check_shared`` refuses, at start-up, a directory some rank cannot see or
+write; node-local checkpoint directories are not supported. Before anything is loaded, every rank checks
+that it sees every file of the chosen tag with its recorded size.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
+import secrets
 import shutil
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +47,7 @@ log = get_logger("train")
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+TAG_RE = re.compile(r"^step\d{8}$")
 
 
 def tag_for(step: int) -> str:
@@ -58,15 +71,113 @@ def incomplete_tags(ckpt_dir: Path) -> list[str]:
     )
 
 
+def read_latest(ckpt_dir: Path) -> str | None:
+    """The tag ``latest`` names, or None (absent). Anything but a tag name of this directory (binary
+    garbage, a path such as ``../../other-run/step...``) is ignored with a warning naming the file."""
+    pointer = ckpt_dir / LATEST
+    try:
+        raw = pointer.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log.warning(f"{pointer}: unreadable ({e.strerror}); using the newest complete checkpoint instead")
+        return None
+    try:
+        tag = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        tag = ""
+    if not TAG_RE.match(tag):
+        log.warning(f"{pointer} holds {raw[:40]!r}, not a checkpoint tag of this directory (stepNNNNNNNN); "
+                    "ignoring it and using the newest complete checkpoint")  # fmt: skip
+        return None
+    return tag
+
+
 def latest_complete(ckpt_dir: Path) -> str | None:
     """The tag ``latest`` names if it is complete, else the newest complete tag, else None."""
-    pointer = ckpt_dir / LATEST
-    if pointer.exists():
-        tag = pointer.read_text().strip()
-        if (ckpt_dir / tag / COMPLETE).exists():
-            return tag
+    tag = read_latest(ckpt_dir)
+    if tag is not None and (ckpt_dir / tag / COMPLETE).exists():
+        return tag
     tags = complete_tags(ckpt_dir)
     return tags[-1] if tags else None
+
+
+def candidates(ckpt_dir: Path) -> list[str]:
+    """Complete tags to resume from, best first: ``latest`` if it names one, then the rest newest first."""
+    tags = complete_tags(ckpt_dir)[::-1]
+    first = latest_complete(ckpt_dir)
+    return ([first] if first else []) + [t for t in tags if t != first]
+
+
+def tag_problem(ckpt_dir: Path, tag: str) -> str | None:
+    """Why a complete tag cannot be loaded as committed (a file missing or of another size than COMPLETE
+    records, an unreadable client state), or None. Stats only: nothing is loaded."""
+    where = ckpt_dir / tag
+    try:
+        record = json.loads((where / COMPLETE).read_text())
+        files = dict(record["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        files = {}  # a COMPLETE marker from before the file list: check what can be checked
+    for rel, size in files.items():
+        try:
+            have = (where / rel).stat().st_size
+        except FileNotFoundError:
+            return f"{where / rel} is missing"
+        if have != size:
+            return f"{where / rel} has {have} bytes, {size} when committed"
+    try:
+        json.loads((where / "client_state.json").read_text())
+    except FileNotFoundError:
+        return f"{where / 'client_state.json'} is missing"
+    except (OSError, ValueError) as e:
+        return f"{where / 'client_state.json'} is unreadable ({e})"
+    return None
+
+
+def tag_files(where: Path) -> dict[str, int]:
+    """Every file of a tag directory (relative path -> size), COMPLETE aside."""
+    out = {}
+    for root, _, names in os.walk(where):
+        for name in names:
+            p = Path(root) / name
+            rel = str(p.relative_to(where))
+            if rel != COMPLETE and not name.endswith(".tmp"):
+                out[rel] = p.stat().st_size
+    return dict(sorted(out.items()))
+
+
+_OWNER = re.compile(r"(?:pp_rank_|rng_rank)(\d+)")
+
+
+def owner(name: str) -> int:
+    """The rank that writes a checkpoint file: DeepSpeed's ``*zero_pp_rank_R_*`` shards and our
+    ``rng_rankR.pt`` name it; the rest (model states, client state) is rank 0's."""
+    m = _OWNER.search(name)
+    return int(m.group(1)) if m else 0
+
+
+def fsync_tree(where: Path, rank: int) -> None:
+    """fsync the files of a tag that ``rank`` wrote, and (rank 0) every directory of it: their data and
+    names reach the disk before the commit marker names them."""
+    for root, _, names in os.walk(where):
+        for name in names:
+            if owner(name) != rank or name.endswith(".tmp"):
+                continue
+            fd = os.open(Path(root) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        if rank == 0:
+            fsync_dir(Path(root))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def resolve(path: Path, what: str) -> tuple[Path, str]:
@@ -102,6 +213,10 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
     """Save on every rank; commit (COMPLETE, then ``latest``) only when every rank has written its part."""
     tag = tag_for(step)
     rank = collectives.rank()
+    if rank == 0:  # saves that never completed (a crash, a full disk) give their space back first
+        for partial in incomplete_tags(ckpt_dir):
+            if partial != tag:
+                shutil.rmtree(ckpt_dir / partial, ignore_errors=True)
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
         UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -120,15 +235,15 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
         torch.save(rng_state(), tmp)
     if rank == 0:
         atomic_write_json(ckpt_dir / tag / "client_state.json", client_state)
+    fsync_tree(ckpt_dir / tag, rank)  # this rank's files are on disk before it enters the commit barrier
     collectives.barrier()
     if rank == 0:
-        atomic_write_text(ckpt_dir / tag / COMPLETE, "ok\n")
+        atomic_write_json(ckpt_dir / tag / COMPLETE, {"files": tag_files(ckpt_dir / tag)})
+        fsync_dir(ckpt_dir / tag)
         atomic_write_text(ckpt_dir / LATEST, tag + "\n")
+        fsync_dir(ckpt_dir)
         for old in complete_tags(ckpt_dir)[:-keep]:
             shutil.rmtree(ckpt_dir / old, ignore_errors=True)
-        for partial in incomplete_tags(ckpt_dir):
-            if partial != tag:
-                shutil.rmtree(ckpt_dir / partial, ignore_errors=True)
         kept = set(complete_tags(ckpt_dir))
         for converted in ckpt_dir.glob(UNIVERSAL_PREFIX + "*"):
             if converted.name.removeprefix(UNIVERSAL_PREFIX) not in kept:
@@ -245,27 +360,95 @@ class ResumePoint:
     universal: bool  # another data-parallel world size: load through a universal checkpoint
 
 
+def check_shared(ckpt_dir: Path) -> None:
+    """At start-up, on every rank: ``ckpt_dir`` is writable by every rank and is one directory for all of
+    them. Rank 0 writes a probe with a fresh nonce; every rank must read it and write a file of its own.
+    Otherwise every rank raises the same one-line error, naming the first node that failed."""
+    nonce = secrets.token_hex(8)
+    probe = ckpt_dir / f".probe-{nonce}"
+    status: tuple[str, str] = ("ok", nonce)
+    if collectives.rank() == 0:
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(probe, nonce)
+        except OSError as e:
+            status = ("error", f"{ckpt_dir}: cannot write checkpoints there ({e.strerror}); give a writable "
+                               "run.dir or checkpoint.dir")  # fmt: skip
+    kind, value = collectives.broadcast_object(status)
+    if kind == "error":
+        raise UserError(value)
+    probe = ckpt_dir / f".probe-{value}"
+    mine = ckpt_dir / f".probe-{value}-rank{collectives.rank()}"
+    problem = None
+    try:
+        if probe.read_text() != value:
+            problem = f"reads other content in {probe}"
+    except OSError:
+        problem = f"does not see {probe}, which rank 0 wrote"
+    if problem is None:
+        try:
+            mine.write_text(value)
+            mine.unlink()
+        except OSError as e:
+            problem = f"cannot write in {ckpt_dir} ({e.strerror})"
+    reports = collectives.all_gather_object((problem, socket.gethostname(), collectives.rank()))
+    if collectives.rank() == 0:
+        probe.unlink(missing_ok=True)
+    bad = [(p, host, r) for p, host, r in reports if p]
+    if bad:
+        p, host, r = bad[0]
+        raise UserError(
+            f"checkpoint.dir {ckpt_dir} is not shared by every rank: node {host} (rank {r}) {p}. Checkpoints "
+            "are committed by rank 0 and loaded by every rank, so every node must mount the same directory "
+            "(a shared filesystem); node-local checkpoint directories are not supported"
+        )
+
+
+def _find_auto(ckpt_dir: Path) -> str | None:
+    """The newest loadable complete tag: ``latest``'s, or an older one named in a warning when it is damaged.
+    Refuses (never starts over) when complete tags exist but none is loadable."""
+    damaged: list[str] = []
+    for tag in candidates(ckpt_dir):
+        problem = tag_problem(ckpt_dir, tag)
+        if problem is None:
+            if damaged:
+                log.warning(f"{ckpt_dir}: resuming from {tag} instead of the damaged {', '.join(damaged)}")
+            return tag
+        log.warning(f"checkpoint {ckpt_dir / tag} is damaged: {problem}")
+        damaged.append(tag)
+    if damaged:
+        raise UserError(
+            f"{ckpt_dir}: every complete checkpoint is damaged (newest: {ckpt_dir / damaged[0]}); move the "
+            "directory away to start over, or restore it"
+        )
+    if incomplete_tags(ckpt_dir):
+        log.warning(f"{ckpt_dir}: only incomplete checkpoints ({', '.join(incomplete_tags(ckpt_dir))}); "
+                    "starting fresh")  # fmt: skip
+    return None
+
+
 def _find(section: CheckpointSection, ckpt_dir: Path) -> tuple[Path, str | None]:
     resume = section.resume
     if resume == "auto":
-        tag = latest_complete(ckpt_dir)
-        if tag is None and incomplete_tags(ckpt_dir):
-            log.warning(f"{ckpt_dir}: only incomplete checkpoints ({', '.join(incomplete_tags(ckpt_dir))}); "
-                        "starting fresh")  # fmt: skip
-        return ckpt_dir, tag
+        return ckpt_dir, _find_auto(ckpt_dir)
     if resume == "never":
         if complete_tags(ckpt_dir):
             raise UserError(
                 f"{ckpt_dir} already holds checkpoints and checkpoint.resume=never; use another run.dir"
             )
         return ckpt_dir, None
-    return resolve(Path(resume), "checkpoint.resume")
+    where, tag = resolve(Path(resume), "checkpoint.resume")
+    problem = tag_problem(where, tag)
+    if problem:
+        raise UserError(f"checkpoint.resume={resume}: damaged checkpoint ({problem})")
+    return where, tag
 
 
 def find_resume(
-    section: CheckpointSection, ckpt_dir: Path, *, world: int, global_batch: int, steps: int
+    section: CheckpointSection, ckpt_dir: Path, *, world: int, global_batch: int, steps: int, optimizer: str
 ) -> ResumePoint | None:
-    """Rank 0 finds the checkpoint to continue from and checks it fits this run; every rank gets its answer.
+    """Rank 0 finds the checkpoint to continue from and checks it fits this run; every rank gets its answer
+    and checks that it sees every file of it, before anything is loaded.
 
     Never silently starts over: a checkpoint that cannot be resumed is a one-line error on every rank.
     """
@@ -277,17 +460,31 @@ def find_resume(
             if tag is not None:
                 saved = read_client_state(where, tag)
                 point = ResumePoint(where, tag, saved, universal=saved["world_size"] != world)
-                _check_resumable(point, world=world, global_batch=global_batch, steps=steps)
+                _check_resumable(
+                    point, world=world, global_batch=global_batch, steps=steps, optimizer=optimizer
+                )
             answer = ("ok", point)
         except UserError as e:
             answer = ("error", str(e))
     status, value = collectives.broadcast_object(answer)
     if status == "error":
         raise UserError(value)
+    if value is not None:
+        problem = tag_problem(value.ckpt_dir, value.tag)
+        reports = collectives.all_gather_object((problem, socket.gethostname(), collectives.rank()))
+        bad = [(p, host, r) for p, host, r in reports if p]
+        if bad:
+            p, host, r = bad[0]
+            raise UserError(
+                f"node {host} (rank {r}) cannot load {value.ckpt_dir / value.tag}: {p}. Every rank loads the "
+                "checkpoint rank 0 chose: put checkpoint.dir on storage every node mounts"
+            )
     return value
 
 
-def _check_resumable(point: ResumePoint, *, world: int, global_batch: int, steps: int) -> None:
+def _check_resumable(
+    point: ResumePoint, *, world: int, global_batch: int, steps: int, optimizer: str
+) -> None:
     where, saved = point.ckpt_dir / point.tag, point.saved
     if point.universal and saved["global_batch"] != global_batch:
         raise UserError(
@@ -298,6 +495,12 @@ def _check_resumable(point: ResumePoint, *, world: int, global_batch: int, steps
         raise UserError(
             f"{where} is at step {saved['step']}, beyond train.steps={steps}; raise train.steps to continue "
             f"or use another run.dir"
+        )
+    if saved.get("optimizer", optimizer) != optimizer:
+        raise UserError(
+            f"{where} was trained with optimizer.name={saved['optimizer']}, this run has {optimizer}: its "
+            f"optimizer state does not carry over; set optimizer.name={saved['optimizer']}, or start from "
+            f"its weights with a fresh optimizer (train.init_from={where}, another run.dir)"
         )
 
 
