@@ -140,13 +140,28 @@ def build_neox(text_dir: Path, root: Path) -> dict[str, Path]:
 
 
 def shard_digest(directory: Path) -> str:
-    """sha256 over the shard files' bytes (names and contents), to see that two builds are identical."""
+    """sha256 over the shards' content: names, attributes and every dataset's dtype, shape and values, to see
+    that two builds are identical. Not the files' bytes: lzf's compressor may encode the same chunk
+    differently from one process state to the next, which moves HDF5's metadata, not the data."""
     import hashlib
+
+    import h5py
+    import numpy as np
 
     h = hashlib.sha256()
     for p in sorted(Path(directory).rglob("*")):
-        if p.is_file() and p.name != "manifest.json":  # the manifest records build times
-            h.update(p.relative_to(directory).as_posix().encode() + b"\0" + p.read_bytes())
+        if not p.is_file() or p.name == "manifest.json":  # the manifest records build times
+            continue
+        h.update(p.relative_to(directory).as_posix().encode() + b"\0")
+        if p.suffix != ".h5":
+            h.update(p.read_bytes())
+            continue
+        with h5py.File(p, "r") as f:
+            for k in sorted(f.attrs):
+                h.update(f"{k}={f.attrs[k]!r}".encode() + b"\0")
+            for name in sorted(f):
+                a = np.ascontiguousarray(f[name][:])
+                h.update(f"{name}:{a.dtype.str}:{a.shape}".encode() + b"\0" + a.tobytes())
     return h.hexdigest()
 
 

@@ -359,11 +359,11 @@ def test_leftover_temp_files_are_removed_on_rerun(tmp_path: Path) -> None:
 
 
 def test_interrupted_run_leaves_nothing_and_rerun_succeeds(tmp_path: Path, sample_dump: Path) -> None:
-    # a bigger input (sample x10) so the run is still going when interrupted
+    # a bigger input (sample x3) so the run is still going when interrupted
     text = bz2.decompress(sample_dump.read_bytes()).decode()
     first, last = text.index("  <page>"), text.rindex("</page>") + len("</page>\n")
     big = tmp_path / "big.xml.bz2"
-    big.write_bytes(bz2.compress((text[:first] + text[first:last] * 10 + text[last:]).encode(), 1))
+    big.write_bytes(bz2.compress((text[:first] + text[first:last] * 3 + text[last:]).encode(), 1))
     out = tmp_path / "out"
     proc = subprocess.Popen(
         [sys.executable, "-m", "data", "wiki", str(big), "--out", str(out), "--workers", "2"],
@@ -372,6 +372,9 @@ def test_interrupted_run_leaves_nothing_and_rerun_succeeds(tmp_path: Path, sampl
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # a shell's background job starts with SIGINT ignored, and Python then installs no KeyboardInterrupt
+        # handler: give the child the default, as a terminal's Ctrl-C finds it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not (out.exists() and any(out.glob(".wiki_*.tmp"))):
@@ -384,7 +387,7 @@ def test_interrupted_run_leaves_nothing_and_rerun_succeeds(tmp_path: Path, sampl
     assert not out.exists() or not any(out.iterdir()), "partial output left behind"
     res = cli(str(big), "--out", str(out), "--workers", "2", "--shards", "2")
     assert res.returncode == 0, res.stderr
-    assert json.loads((out / "manifest.json").read_text())["counts"]["articles_written"] == 97 * 10
+    assert json.loads((out / "manifest.json").read_text())["counts"]["articles_written"] == 97 * 3
 
 
 # --------------------------------------------------------------------------------------------------
