@@ -101,6 +101,14 @@ def test_awsbatch_job_definition_and_entrypoint(tmp_path: Path) -> None:
     assert {"name": "memlock", "softLimit": -1, "hardLimit": -1} in c["ulimits"]
     assert c["command"][-1] == "train.steps=10"
     assert "{{" not in out.read_text()
+    secret = {e["name"]: e["value"] for e in c["environment"]}["WP_REGISTRATION_SECRET"]
+    assert len(secret) == 64 and "secrets" not in c  # a fresh random secret per job definition
+    arn = "arn:aws:secretsmanager:us-east-1:1:secret:wp"
+    r = render(tmp_path, "awsbatch", "--config", "configs/bert.yaml", "--nodes", "2", "--image", "i", "--out",
+               str(out), "--registration-secret-arn", arn)  # fmt: skip
+    c = json.loads(out.read_text())["nodeProperties"]["nodeRangeProperties"][0]["container"]
+    assert c["secrets"] == [{"name": "WP_REGISTRATION_SECRET", "valueFrom": arn}]
+    assert "WP_REGISTRATION_SECRET" not in {e["name"] for e in c["environment"]}
     entry = tmp_path / "awsbatch_entrypoint.sh"
     assert subprocess.run(["bash", "-n", str(entry)]).returncode == 0
 
@@ -120,6 +128,7 @@ def test_awsbatch_entrypoint_two_nodes_register_and_get_ranks(tmp_path: Path) ->
         env = dry_env(tmp_path)
         env.update(AWS_BATCH_JOB_NUM_NODES="2", AWS_BATCH_JOB_NODE_INDEX=str(index),
                    AWS_BATCH_JOB_MAIN_NODE_INDEX="0", WP_NODE_IP=ip, WP_REGISTRATION_PORT=port,
+                   AWS_BATCH_JOB_ID=f"j#{index}", WP_REGISTRATION_SECRET="s" * 32,
                    WP_WORK=str(tmp_path / "work"
                        f"{index}"))  # fmt: skip
         if index:
