@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -239,7 +240,8 @@ def test_half_written_and_damaged_checkpoints(bert_data, straight_run, tmp_path)
 
 
 def signal_running_job(bert_data, run_dir: Path, port: int, target: str) -> tuple[int, str]:
-    """Start a long 2-rank job, wait for its second step, SIGTERM ``target`` ("rank1" or "launcher")."""
+    """Start a long 2-rank job, wait for its second step, SIGTERM ``target``: "rank1", "launcher"
+    (``deepspeed.launcher.launch``) or "runner" (the ``deepspeed`` command alone)."""
     cmd = [*launcher(2, port=port), "train.py", *common(bert_data, run_dir, "train.steps=10000")]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -256,8 +258,10 @@ def signal_running_job(bert_data, run_dir: Path, port: int, target: str) -> tupl
                      if "deepspeed.launcher.launch" in " ".join(p.cmdline())]  # fmt: skip
         ranks = [p for p in launchers[0].children() if "train.py" in " ".join(p.cmdline())]
         assert len(ranks) == 2
-        (ranks[1] if target == "rank1" else launchers[0]).send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=120)
+        victim = {"rank1": ranks[1], "launcher": launchers[0], "runner": psutil.Process(proc.pid)}[target]
+        victim.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)  # until every process holding the pipe has ended
+        psutil.wait_procs(ranks + launchers, timeout=60)
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), (
             "ranks left running"
         )
@@ -274,6 +278,52 @@ def test_sigterm_to_the_launcher_saves(bert_data, tmp_path):
     _, output = signal_running_job(bert_data, run_dir, 29700 + os.getpid() % 200, "launcher")
     assert "SIGTERM: stopping after step" in output and "DataLoader worker" not in output, output[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{max(losses(run_dir)):08d}"
+
+
+def test_sigterm_to_the_deepspeed_command_alone_saves(bert_data, tmp_path):
+    """The ``deepspeed`` command passes no signal on when killed; its ranks notice their launcher is gone,
+    save and exit with code 3 instead of training on as orphans."""
+    run_dir = tmp_path / "run"
+    rc, output = signal_running_job(bert_data, run_dir, 29900 + os.getpid() % 90, "runner")
+    assert rc == -signal.SIGTERM
+    assert "is gone); saving, exit code 3" in output, output[-3000:]
+    assert "exits with return code = 3" in output, output[-3000:]  # deepspeed.launcher.launch's report
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{max(losses(run_dir)):08d}"
+
+
+def test_a_hung_rank_ends_the_job_within_the_timeout(bert_data, tmp_path):
+    """SIGSTOP one rank mid-run with deepspeed.timeout_s=20: the other rank leaves its collective (ZeRO-2's
+    groups included) within the timeout, and the launcher ends the job."""
+    run_dir = tmp_path / "run"
+    cmd = [*launcher(2, port=29800 + os.getpid() % 100), "train.py",
+           *common(bert_data, run_dir, "train.steps=10000", "deepspeed.timeout_s=20")]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    ranks: list = []
+    try:
+        deadline = time.time() + 180
+        while not ((run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2):
+            assert time.time() < deadline and proc.poll() is None, "training did not start"
+            time.sleep(0.5)
+        launch = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                  if "deepspeed.launcher.launch" in " ".join(p.cmdline())]  # fmt: skip
+        ranks = [p for p in launch[0].children() if "train.py" in " ".join(p.cmdline())]
+        assert len(ranks) == 2, ranks
+        t0 = time.time()
+        ranks[1].send_signal(signal.SIGSTOP)
+        output, _ = proc.communicate(timeout=120)
+        elapsed = time.time() - t0
+    finally:
+        for p in ranks:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert elapsed < 20 + 25, (
+        f"the job ended {elapsed:.0f} s after the rank hung; timeout 20 s\n{output[-3000:]}"
+    )
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), "ranks left running"
 
 
 def test_sigterm_saves_and_exits_with_distinct_code(bert_data, tmp_path):

@@ -137,7 +137,8 @@ class DeepSpeedSection:
     backend: Literal["auto", "nccl", "gloo", "hccl", "ccl"] = "auto"
     """Communication backend; auto = nccl on CUDA, gloo on CPU."""
     timeout_s: int = 600
-    """Collective timeout: a dead rank ends the job within this bound instead of hanging it."""
+    """Collective timeout of every process group of the job (DeepSpeed's own groups included): a dead or hung
+    rank ends the job within this bound instead of hanging it."""
     overlap_comm: bool = True
     bucket_size: int = 200_000_000
 

@@ -21,9 +21,11 @@ import hashlib
 import json
 import math
 import os
+import re
 import resource
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ from training.metrics import mfu, tflops_per_device, throughput
 log = get_logger("train")
 
 EXIT_PREEMPTED = 3  # SIGTERM or train.stop_at_step: the current step finished, a checkpoint was saved
+LAUNCHER_POLL_S = 1.0  # how often a rank checks that its launchers are alive
 LOSS_PARTS = ("mlm_loss", "nsp_loss")  # logged beside the total loss when the model returns them
 
 
@@ -114,15 +117,63 @@ class Clock:
         }
 
 
+_LAUNCHER_CMD = re.compile(r"deepspeed\.launcher|/deepspeed\b|\bdeepspeed\s|torchrun|torch\.distributed\.run")
+
+
+def _proc(pid: int) -> tuple[str, int, str] | None:
+    """(command line, parent pid, start time) of a live process, or None (gone, or a zombie)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else (cmd, int(fields[1]), fields[19])
+
+
+def launcher_chain() -> list[tuple[int, str]]:
+    """The launcher processes above this rank, nearest first (``deepspeed.launcher.launch`` and the
+    ``deepspeed`` command above it, or torchrun), as (pid, start time): the walk stops at the first
+    ancestor that is not a launcher (a shell, slurmstepd, a test)."""
+    chain, pid = [], os.getppid()
+    while pid > 1:
+        info = _proc(pid)
+        if info is None or not _LAUNCHER_CMD.search(info[0]):
+            break
+        chain.append((pid, info[2]))
+        pid = info[1]
+    return chain
+
+
 class StopRequest:
-    """SIGTERM (spot reclaim, batch-job preemption) asks every rank to stop after the current step."""
+    """SIGTERM (spot reclaim, batch-job preemption) asks every rank to stop after the current step.
+
+    So does the death of a launcher above the rank: the ``deepspeed`` command, killed alone, does not pass
+    the signal on, and its ranks would train on to the last step. A daemon thread looks at the launcher
+    chain once a second (``LAUNCHER_POLL_S``); when one has gone, the rank stops as on SIGTERM (save, exit
+    code 3), and so does every rank, through the step's stop flag.
+    """
 
     def __init__(self) -> None:
         self.requested = False
+        self.reason = ""
         signal.signal(signal.SIGTERM, self._handler)
+        chain = launcher_chain()
+        if chain:
+            threading.Thread(target=self._watch, args=(chain,), name="launcher-watch", daemon=True).start()
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
         self.requested = True
+        self.reason = self.reason or "SIGTERM"
+
+    def _watch(self, chain: list[tuple[int, str]]) -> None:
+        while not self.requested:
+            time.sleep(LAUNCHER_POLL_S)
+            for pid, started in chain:
+                info = _proc(pid)
+                if info is None or info[2] != started:
+                    self.reason = f"the launcher (pid {pid}) is gone"
+                    self.requested = True
+                    return
 
 
 class StepReduction:
@@ -420,7 +471,10 @@ class Trainer:
                 stopped = "stop_at_step"
                 break
             if reduction.stop:
-                log.warning(f"SIGTERM: stopping after step {step}")
+                why = self.stop.reason or "another rank's SIGTERM or launcher loss"
+                log.warning(
+                    f"SIGTERM: stopping after step {step} ({why}); saving, exit code {EXIT_PREEMPTED}"
+                )
                 stopped = "sigterm"
                 break
         if self.clock.measured_steps == 0:  # every step was a warm-up step
