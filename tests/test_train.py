@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -431,21 +432,26 @@ def test_phase2_starts_from_phase1_weights_with_fresh_schedule(bert_data, straig
 
 
 def test_resume_on_a_different_world_size(bert_data, tmp_path):
-    """2 ranks to step 4, then 1 rank with the same global batch: a universal checkpoint, the next samples."""
+    """1 rank to step 4, then 2 ranks with the same global batch: a universal checkpoint, the next samples.
+    Rank 0 converts while rank 1 waits on the checkpoint directory, outside any collective: the resumed run's
+    collective timeout (5 s) is shorter than the conversion."""
     nodrop = "model.dropout=0.0"  # only the reduction order then differs between 2 ranks and 1
     straight, run_dir = tmp_path / "straight", tmp_path / "run"
     assert deepspeed(common(bert_data, straight, nodrop)).returncode == 0
-    first = deepspeed(common(bert_data, run_dir, nodrop, "train.stop_at_step=4"))
+    first = deepspeed(common(bert_data, run_dir, nodrop, "train.stop_at_step=4"), ranks=1)
     assert first.returncode == 3, first.stderr[-3000:]
-    second = deepspeed(common(bert_data, run_dir, nodrop), ranks=1)
+    second = deepspeed(common(bert_data, run_dir, nodrop, "deepspeed.timeout_s=5"))
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'universal-step00000004'} at step 4" in second.stderr
+    took = re.search(r"converted .*step00000004 in ([0-9.]+) s", second.stderr)
+    assert took, second.stderr[-3000:]
+    print(f"conversion took {took.group(1)} s under a 5 s collective timeout")
     a, b = losses(straight), losses(run_dir)
     assert sorted(b) == list(range(1, 9))
     assert [b[s] for s in range(5, 9)] == pytest.approx([a[s] for s in range(5, 9)], rel=2e-3)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 1 and summary["grad_accum"] == 4 and summary["samples"] == 8 * 16
-    # the same 32 held-out samples on 1 rank as on 2: equal evaluation up to the reduction order
+    assert summary["world_size"] == 2 and summary["grad_accum"] == 2 and summary["samples"] == 8 * 16
+    # the same 32 held-out samples on 2 ranks after 1: equal evaluation up to the reduction order
     ref = json.loads((straight / "summary.json").read_text())
     assert summary["eval_samples"] == ref["eval_samples"] == 32
     assert summary["eval_loss"] == pytest.approx(ref["eval_loss"], rel=2e-3)

@@ -29,6 +29,8 @@ import re
 import secrets
 import shutil
 import socket
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,35 +266,75 @@ UNIVERSAL_PREFIX = "universal-"
 UNIVERSAL_DONE = "UNIVERSAL_COMPLETE"
 
 
-def to_universal(ckpt_dir: Path, tag: str) -> str:
-    """Convert a complete tag to DeepSpeed's universal format (rank 0; every rank waits); returns its tag.
+def to_universal(ckpt_dir: Path, tag: str, wait_s: float = 6 * 3600) -> str:
+    """Convert a complete tag to DeepSpeed's universal format (rank 0); returns its tag.
 
     A universal checkpoint stores each parameter's FP32 weights and optimizer moments whole, so a run with a
     different data-parallel world size can load it (``checkpoint.load_universal``). DeepSpeed's own
     ``ds_to_universal`` does the conversion; the result is committed by a marker, so a crash mid-conversion
-    is redone on the next start.
+    is redone on the next start. The conversion runs outside any collective: for a model of billions of
+    parameters it takes longer than a collective timeout, so the other ranks wait for the marker (or a
+    failure note) on the shared checkpoint directory, up to ``wait_s``, and then meet rank 0 in a barrier.
+    Rank 0 logs progress every 30 s.
     """
+    out_tag = UNIVERSAL_PREFIX + tag
+    out = ckpt_dir / out_tag
+    attempt = collectives.broadcast_object(secrets.token_hex(6))  # names this attempt's failure note
+    failed = ckpt_dir / f".{out_tag}.{attempt}.failed"
+    if collectives.rank() == 0:
+        if not (out / UNIVERSAL_DONE).exists():
+            try:
+                _convert(ckpt_dir, tag, out)
+            except UserError as e:
+                atomic_write_text(failed, str(e))
+                raise
+    else:
+        deadline = time.monotonic() + wait_s
+        while not (out / UNIVERSAL_DONE).exists():
+            if failed.exists():
+                raise UserError(failed.read_text())
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"{ckpt_dir / tag}: rank 0 did not finish the universal conversion within "
+                    f"checkpoint.convert_timeout_s={wait_s:.0f}"
+                )
+            time.sleep(1.0)
+    collectives.barrier()
+    if collectives.rank() == 0:
+        failed.unlink(missing_ok=True)
+    return out_tag
+
+
+def _convert(ckpt_dir: Path, tag: str, out: Path) -> None:
     import subprocess
     import sys
 
-    out_tag = UNIVERSAL_PREFIX + tag
-    out = ckpt_dir / out_tag
-    if collectives.rank() == 0 and not (out / UNIVERSAL_DONE).exists():
-        log.info(f"converting {ckpt_dir / tag} to a universal checkpoint for a new world size")
+    log.info(f"converting {ckpt_dir / tag} to a universal checkpoint for a new world size")
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+           str(ckpt_dir / tag), "--output_folder", str(out), "--num_extract_workers", "1",
+           "--num_merge_workers", "1"]  # fmt: skip
+    t0 = time.monotonic()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+        reader.start()
+        while proc.poll() is None:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                log.info(f"converting {ckpt_dir / tag}: {time.monotonic() - t0:.0f} s")
+        reader.join(timeout=10)
+    (ckpt_dir / "latest_universal").unlink(missing_ok=True)  # we keep our own pointers
+    if proc.returncode != 0:
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-               str(ckpt_dir / tag), "--output_folder", str(out), "--num_extract_workers", "1",
-               "--num_merge_workers", "1"]  # fmt: skip
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        (ckpt_dir / "latest_universal").unlink(missing_ok=True)  # we keep our own pointers
-        if res.returncode != 0:
-            shutil.rmtree(out, ignore_errors=True)
-            tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise UserError(f"{ckpt_dir / tag}: conversion to a universal checkpoint failed ({tail[0]})")
-        shutil.copy2(ckpt_dir / tag / "client_state.json", out / "client_state.json")
-        atomic_write_text(out / UNIVERSAL_DONE, "ok\n")
-    collectives.barrier()
-    return out_tag
+        tail = [ln.strip() for ln in lines if ln.strip()][-1:] or ["no output"]
+        raise UserError(f"{ckpt_dir / tag}: conversion to a universal checkpoint failed ({tail[0]})")
+    shutil.copy2(ckpt_dir / tag / "client_state.json", out / "client_state.json")
+    fsync_tree(out, 0)
+    atomic_write_text(out / UNIVERSAL_DONE, "ok\n")
+    log.info(f"converted {ckpt_dir / tag} in {time.monotonic() - t0:.1f} s")
 
 
 def load(engine, ckpt_dir: Path, tag: str, *, module_only: bool = False) -> None:
@@ -504,7 +546,8 @@ def _check_resumable(
         )
 
 
-def restore(engine, point: ResumePoint, client_static: dict[str, Any], reseed: Callable[[int], None]) -> None:
+def restore(engine, point: ResumePoint, client_static: dict[str, Any], reseed: Callable[[int], None],
+            wait_s: float = 6 * 3600) -> None:  # fmt: skip
     """check -> convert -> load -> re-seed: continue a run from ``point`` on every rank.
 
     The learning rate of the first resumed step comes from this run's schedule (which may be longer than the
@@ -513,7 +556,7 @@ def restore(engine, point: ResumePoint, client_static: dict[str, Any], reseed: C
     from training.lans import attach_zero
 
     check_compatible(point.saved, client_static, point.ckpt_dir / point.tag)
-    tag = to_universal(point.ckpt_dir, point.tag) if point.universal else point.tag
+    tag = to_universal(point.ckpt_dir, point.tag, wait_s) if point.universal else point.tag
     load(engine, point.ckpt_dir, tag)
     attach_zero(engine)  # the per-tensor layout is rebuilt from DeepSpeed's links after a load
     if point.universal:  # per-rank RNG streams cannot carry over to another world size: re-seed from the step

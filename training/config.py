@@ -154,6 +154,9 @@ class CheckpointSection:
     resume: str = "auto"
     """auto: the newest complete checkpoint if any; never: refuse to run over existing checkpoints; or a
     path."""
+    convert_timeout_s: int = 6 * 3600
+    """How long the other ranks wait (on a file, outside any collective) while rank 0 converts a checkpoint
+    to the universal format for a resume on another world size."""
 
 
 @dataclass
