@@ -292,6 +292,36 @@ def test_sigterm_to_the_deepspeed_command_alone_saves(bert_data, tmp_path):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{max(losses(run_dir)):08d}"
 
 
+def test_disk_full_during_a_save_fails_cleanly(bert_data, tmp_path):
+    """checkpoint.dir on a 32 MiB tmpfs: the step-4 checkpoint (about 21 MB) fits, the step-8 one does not.
+    Every rank stops at once with one line saying the disk is full; the partial tag is gone, latest still
+    names step 4, which loads: after the filesystem grows, the restart resumes from it and finishes."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(ckpt)], check=True)
+    try:
+        run_dir = tmp_path / "run"
+        args = common(bert_data, run_dir, f"checkpoint.dir={ckpt}", "train.eval_every=0")
+        full = deepspeed(args)
+        errors = [ln for ln in full.stderr.splitlines() if ln.startswith("error:")]
+        assert full.returncode != 0 and len(errors) == 1, full.stderr[-3000:]
+        assert f"saving checkpoint {ckpt / 'step00000008'} failed on node" in errors[0], errors
+        assert "the disk is full" in errors[0] and f"{ckpt / 'latest'} still names step00000004" in errors[0]
+        assert "Traceback" not in full.stderr
+        assert (
+            not (ckpt / "step00000008").exists() and (ckpt / "latest").read_text().strip() == "step00000004"
+        )
+        subprocess.run(["mount", "-o", "remount,size=96m", str(ckpt)], check=True)
+        again = deepspeed(args)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"resumed from {ckpt / 'step00000004'} at step 4" in again.stderr
+        assert (ckpt / "latest").read_text().strip() == "step00000008"
+    finally:
+        subprocess.run(["umount", str(ckpt)], check=True)
+
+
 def test_a_hung_rank_ends_the_job_within_the_timeout(bert_data, tmp_path):
     """SIGSTOP one rank mid-run with deepspeed.timeout_s=20: the other rank leaves its collective (ZeRO-2's
     groups included) within the timeout, and the launcher ends the job."""

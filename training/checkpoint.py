@@ -22,6 +22,7 @@ that it sees every file of the chosen tag with its recorded size.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -230,15 +231,35 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
     extra = {
         UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
     }
-    engine.save_checkpoint(
-        str(ckpt_dir), tag=tag, client_state={"client": client_state, **extra}, save_latest=False
-    )
-    with atomic_path(ckpt_dir / tag / f"rng_rank{rank}.pt") as tmp:
-        torch.save(rng_state(), tmp)
-    if rank == 0:
-        atomic_write_json(ckpt_dir / tag / "client_state.json", client_state)
-    fsync_tree(ckpt_dir / tag, rank)  # this rank's files are on disk before it enters the commit barrier
-    collectives.barrier()
+    guard = _GuardedWrites(engine)
+    error = None
+    try:
+        with (
+            guard
+        ):  # a failed write does not skip DeepSpeed's own barriers: every rank reaches the vote below
+            engine.save_checkpoint(
+                str(ckpt_dir), tag=tag, client_state={"client": client_state, **extra}, save_latest=False
+            )
+        if guard.error is not None:
+            raise guard.error
+        with atomic_path(ckpt_dir / tag / f"rng_rank{rank}.pt") as tmp:
+            torch.save(rng_state(), tmp)
+        if rank == 0:
+            atomic_write_json(ckpt_dir / tag / "client_state.json", client_state)
+        fsync_tree(ckpt_dir / tag, rank)  # this rank's files are on disk before it votes to commit
+    except (OSError, RuntimeError) as e:
+        error = _describe_write_error(e, ckpt_dir)
+    votes = collectives.all_gather_object((error, socket.gethostname(), rank))  # also the commit barrier
+    failed = [(why, host, r) for why, host, r in votes if why]
+    if failed:
+        if rank == 0:  # the partial tag goes at once: its space is what a full disk lacks
+            shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+        why, host, r = failed[0]
+        previous = latest_complete(ckpt_dir)
+        raise UserError(
+            f"saving checkpoint {ckpt_dir / tag} failed on node {host} (rank {r}): {why}; nothing of it was "
+            f"committed and {ckpt_dir / LATEST} still names {previous or 'no checkpoint'}"
+        )
     if rank == 0:
         atomic_write_json(ckpt_dir / tag / COMPLETE, {"files": tag_files(ckpt_dir / tag)})
         fsync_dir(ckpt_dir / tag)
@@ -252,6 +273,48 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
                 shutil.rmtree(converted, ignore_errors=True)
     collectives.barrier()
     return tag
+
+
+class _GuardedWrites:
+    """While active, DeepSpeed's checkpoint engine records the first error of its file writes instead of
+    raising it (and skips the writes after it), so the failing rank still reaches DeepSpeed's barriers and
+    the commit vote, and every rank learns of the failure at once instead of waiting out the collective
+    timeout."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine.checkpoint_engine
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> _GuardedWrites:
+        real = self.engine.save
+
+        def save(*args: Any, **kwargs: Any) -> Any:
+            if self.error is not None:
+                return None
+            try:
+                return real(*args, **kwargs)
+            except (OSError, RuntimeError) as e:
+                self.error = e
+                return None
+
+        self.engine.save = save  # an instance attribute: shadows the class's method until __exit__
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.engine.save
+
+
+def _describe_write_error(e: BaseException, ckpt_dir: Path) -> str:
+    """One line for a failed checkpoint write; says "the disk is full" when it is (torch.save reports ENOSPC
+    as an opaque zip-writer RuntimeError)."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    try:
+        free = shutil.disk_usage(ckpt_dir).free
+    except OSError:
+        free = -1
+    if getattr(e, "errno", None) == errno.ENOSPC or 0 <= free < 16 << 20:
+        return f"the disk is full ({free >> 20} MiB free on {ckpt_dir}; {type(e).__name__}: {first})"
+    return f"{type(e).__name__}: {first}"
 
 
 def read_client_state(ckpt_dir: Path, tag: str) -> dict[str, Any]:
