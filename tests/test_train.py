@@ -240,10 +240,10 @@ def test_half_written_and_damaged_checkpoints(bert_data, straight_run, tmp_path)
     assert losses(run_dir)[5] == losses(straight_run)[5]  # step 5 redone from step 4's state, exactly
 
 
-def signal_running_job(bert_data, run_dir: Path, port: int, target: str) -> tuple[int, str]:
+def signal_running_job(bert_data, run_dir: Path, port: int, target: str, *extra: str) -> tuple[int, str]:
     """Start a long 2-rank job, wait for its second step, SIGTERM ``target``: "rank1", "launcher"
     (``deepspeed.launcher.launch``) or "runner" (the ``deepspeed`` command alone)."""
-    cmd = [*launcher(2, port=port), "train.py", *common(bert_data, run_dir, "train.steps=10000")]
+    cmd = [*launcher(2, port=port), "train.py", *common(bert_data, run_dir, "train.steps=10000", *extra)]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -251,7 +251,8 @@ def signal_running_job(bert_data, run_dir: Path, port: int, target: str) -> tupl
         deadline = time.time() + 180
         while time.time() < deadline:
             if (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2:
-                break
+                if not extra or (run_dir / "checkpoints" / "latest").exists():
+                    break
             time.sleep(0.5)
         else:
             pytest.fail("training did not start")
@@ -290,6 +291,20 @@ def test_sigterm_to_the_deepspeed_command_alone_saves(bert_data, tmp_path):
     assert "is gone); saving, exit code 3" in output, output[-3000:]
     assert "exits with return code = 3" in output, output[-3000:]  # deepspeed.launcher.launch's report
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{max(losses(run_dir)):08d}"
+
+
+def test_sigterm_without_time_to_save_keeps_the_last_checkpoint(bert_data, tmp_path):
+    """With checkpoint.preempt_grace_s shorter than a save, a SIGTERM ends the job (exit 3) without a new
+    checkpoint, says so, and the last periodic checkpoint is the resume point."""
+    run_dir = tmp_path / "run"
+    grace = ("checkpoint.every=2", "checkpoint.preempt_grace_s=0.001")
+    rc, output = signal_running_job(bert_data, run_dir, 29400 + os.getpid() % 90, "rank1", *grace)
+    assert rc == 3, output[-3000:]
+    stopped = max(losses(run_dir))
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert int(latest.removeprefix("step")) < stopped
+    assert f"SIGTERM: no checkpoint at step {stopped}: the last save took" in output
+    assert f"the next start resumes from {latest}" in output
 
 
 def test_disk_full_during_a_save_fails_cleanly(bert_data, tmp_path):

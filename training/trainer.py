@@ -156,12 +156,14 @@ class StopRequest:
     def __init__(self) -> None:
         self.requested = False
         self.reason = ""
+        self.at: float | None = None  # time.monotonic() of the request on this rank
         signal.signal(signal.SIGTERM, self._handler)
         chain = launcher_chain()
         if chain:
             threading.Thread(target=self._watch, args=(chain,), name="launcher-watch", daemon=True).start()
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
+        self.at = self.at or time.monotonic()
         self.requested = True
         self.reason = self.reason or "SIGTERM"
 
@@ -172,6 +174,7 @@ class StopRequest:
                 info = _proc(pid)
                 if info is None or info[2] != started:
                     self.reason = f"the launcher (pid {pid}) is gone"
+                    self.at = self.at or time.monotonic()
                     self.requested = True
                     return
 
@@ -261,6 +264,7 @@ class Trainer:
         self.state = TrainState()
         self.clock = Clock(logging.warmup_steps)
         self.stop = StopRequest()
+        self.last_save_s: float | None = None  # duration of the newest save (the grace check after SIGTERM)
         self.device = engine.device
         self._iter: Iterator[dict[str, torch.Tensor]] | None = None
         self.last_eval: dict[str, float] = {}
@@ -410,12 +414,33 @@ class Trainer:
         parts += [f"{label} {record[k]:.4f}" for k, label in labels if k in record]
         log.info(" | ".join(parts))
 
+    def _save_fits(self, stopped: str) -> bool:
+        """After SIGTERM: whether a save can finish in what remains of ``checkpoint.preempt_grace_s``,
+        judged by the previous save's duration (unknown: try). Rank 0 decides for every rank (a save is
+        collective)."""
+        if stopped != "sigterm":
+            return True
+        now = time.monotonic()
+        remaining = self.ckpt.preempt_grace_s - (now - (self.stop.at or now))
+        fits = self.last_save_s is None or self.last_save_s <= remaining
+        if not collectives.broadcast_object(fits):
+            latest = checkpoint.latest_complete(self.ckpt_dir)
+            log.warning(
+                f"SIGTERM: no checkpoint at step {self.state.step}: the last save took "
+                f"{self.last_save_s or 0:.1f} s and {max(0.0, remaining):.1f} s of "
+                f"checkpoint.preempt_grace_s={self.ckpt.preempt_grace_s:g} remain; the next start resumes "
+                f"from {latest or 'the beginning'}"
+            )
+            return False
+        return True
+
     def save(self) -> str:
         t0 = time.perf_counter()
         tag = checkpoint.save(
             self.engine, self.ckpt_dir, self.state.step, self.client_state(), self.ckpt.keep
         )
-        self.clock.save_s += time.perf_counter() - t0
+        self.last_save_s = time.perf_counter() - t0
+        self.clock.save_s += self.last_save_s
         self._last_saved = self.state.step
         log.info(f"saved checkpoint {self.ckpt_dir / tag}")
         return tag
@@ -444,7 +469,9 @@ class Trainer:
             if self.clock.running:
                 self.clock.measured_steps += 1
             do_eval = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
+            # a stopping run saves once, after the loop, within the preemption grace
             do_save = bool(self.ckpt.every) and step % self.ckpt.every == 0 and step < cfg.steps
+            do_save = do_save and not reduction.stop
             do_log = step % self.logging.every == 0 or step == cfg.steps or do_eval
             stop_here = step == cfg.stop_at_step
             if do_log or do_eval or do_save or stop_here:
@@ -489,7 +516,7 @@ class Trainer:
             if self.last_eval:
                 log.info("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items()))
                 self._write_record({"step": self.state.step, **self.last_eval})
-        if self.state.step != self._last_saved:
+        if self.state.step != self._last_saved and self._save_fits(stopped):
             self.save()
         return {**perf, **self.clock.breakdown(), "measured_steps": self.clock.measured_steps,
                 "stopped": stopped}  # fmt: skip
