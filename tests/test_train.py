@@ -250,9 +250,9 @@ def signal_running_job(bert_data, run_dir: Path, port: int, target: str, *extra:
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
-            if (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2:
-                if not extra or (run_dir / "checkpoints" / "latest").exists():
-                    break
+            started = (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2
+            if started and (not extra or (run_dir / "checkpoints" / "latest").exists()):
+                break
             time.sleep(0.5)
         else:
             pytest.fail("training did not start")
