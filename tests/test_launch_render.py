@@ -144,3 +144,35 @@ def test_awsbatch_entrypoint_two_nodes_register_and_get_ranks(tmp_path: Path) ->
         assert argv[argv.index("--master_addr") + 1] == "127.0.0.1"
         assert argv[argv.index("--config") + 1] == evil and argv[-1] == "a=1"
     assert (tmp_path / "work1" / "hostfile").read_text() == "127.0.0.1 slots=8\n127.0.0.2 slots=8\n"
+
+
+CHILD = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))  # like a rank: save, exit 3
+open(sys.argv[1], "w").write("up")
+time.sleep(60)
+sys.exit(0)
+"""
+
+
+def test_slurm_script_asks_for_the_signal_and_forwards_it(tmp_path: Path) -> None:
+    """`--signal=B:TERM@120` brings SIGTERM to the batch shell ahead of the time limit; its ``run`` helper
+    passes it to the running launcher and returns the launcher's exit code (3: saved, requeue)."""
+    import signal
+    import time
+
+    out = tmp_path / "job.sbatch"
+    r = render(tmp_path, "slurm", "--config", "configs/bert.yaml", "--nodes", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "#SBATCH --signal=B:TERM@120" in text
+    helper = text[text.index("run() {") : text.index("\n}\n", text.index("run() {")) + 3]
+    up = tmp_path / "up"
+    script = f"{helper}\nrun {shlex.quote(sys.executable)} -c {shlex.quote(CHILD)} {shlex.quote(str(up))}\n"
+    shell = subprocess.Popen(["bash", "-c", script + 'exit "$?"'])
+    deadline = time.monotonic() + 30
+    while not up.exists():
+        assert time.monotonic() < deadline and shell.poll() is None
+        time.sleep(0.05)
+    shell.send_signal(signal.SIGTERM)
+    assert shell.wait(timeout=30) == 3
