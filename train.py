@@ -99,7 +99,7 @@ def run(cfg: Config) -> int:
     try:
         if point is not None:
             checkpoint.restore(engine, point, client_static, lambda step: seed_everything(
-                cfg.train.seed + 1000 * rank + step))  # fmt: skip
+                cfg.train.seed + 1000 * rank + step), wait_s=cfg.checkpoint.convert_timeout_s)  # fmt: skip
             trainer.load_client_state(point.saved)
         elif cfg.train.init_from:
             checkpoint.initialise_from(engine, Path(cfg.train.init_from), client_static)

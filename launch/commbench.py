@@ -202,7 +202,10 @@ def run_rank(args: argparse.Namespace) -> int:
     accel = get_accelerator()
     on_cpu = accel.device_name() == "cpu"
     if on_cpu:
+        from training.engine import no_shm_all_reduce
+
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        no_shm_all_reduce()  # nothing left in /dev/shm
     deepspeed.init_distributed(timeout=timedelta(seconds=args.timeout_s), verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

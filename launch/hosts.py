@@ -5,20 +5,28 @@ AWS Batch multi-node parallel jobs give each node only the job size, its own ind
 (on child nodes only) the main node's private IP. We join the nodes with a small TCP registration service:
 
 * the main node listens on ``--port`` (default 29499) and waits, up to ``--timeout`` seconds, for every child;
-* each child connects (retrying while the main container starts), sends one JSON line ``{index, ip, slots}``,
-  and keeps the connection open;
+* each child connects from the address it claims (retrying while the main container starts), sends one JSON
+  line ``{index, ip, slots, token}``, and keeps the connection open; ``token`` is an HMAC-SHA256 of the claim
+  and the job id (``AWS_BATCH_JOB_ID``) under the job's secret (``WP_REGISTRATION_SECRET``, from the job
+  definition), so a host outside the job cannot make one;
+* the main node refuses (logs, and waits on) a registration with a wrong token or whose claimed address is not
+  the address it connects from;
 * when all children are in, the main node orders the hosts by node index (main first, so it is node rank 0 and
   the rendezvous address), writes the hostfile and sends the same hostfile text to every child, which writes
   it.
 
 Every node then starts ``deepspeed --no_ssh --node_rank R --master_addr MAIN_IP --hostfile H``: no sshd in the
 container, no shared filesystem needed. The registration carries nothing but validated addresses and integers.
+torch.distributed's own store and rendezvous are unauthenticated by design: the cluster network must be
+private to the job (a placement group and a security group that admits only the job's instances).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import hmac
 import ipaddress
 import json
 import os
@@ -201,6 +209,31 @@ def _recv_line(conn: socket.socket, deadline: float, limit: int = 1 << 20) -> st
     return buf.decode()
 
 
+SECRET_ENV = "WP_REGISTRATION_SECRET"
+
+
+def registration_token(secret: str, job_id: str, index: int, ip: str, slots: int) -> str:
+    """HMAC-SHA256 of a child's claim under the job's secret, bound to the job: only the job's nodes (which
+    hold the secret from the job definition) can make one, and only for this job."""
+    claim = f"{job_id.split('#')[0]}|{index}|{ip}|{slots}".encode()
+    return hmac.new(secret.encode(), claim, hashlib.sha256).hexdigest()
+
+
+def job_credentials() -> tuple[str, str]:
+    """(secret, job id) from the environment of a multi-node AWS Batch job; one-line errors otherwise."""
+    secret = os.environ.get(SECRET_ENV, "")
+    if len(secret) < 16:
+        raise UserError(
+            f"{SECRET_ENV} is {'too short' if secret else 'not set'}: a multi-node AWS Batch job needs a "
+            "secret of 16+ characters in its job definition (python -m launch render awsbatch sets one) so "
+            "that only the job's nodes can register"
+        )
+    job_id = os.environ.get("AWS_BATCH_JOB_ID", "")
+    if not job_id:
+        raise UserError("AWS_BATCH_JOB_ID is not set (is this an AWS Batch multi-node parallel job?)")
+    return secret, job_id
+
+
 def serve_registration(
     num_nodes: int,
     main_index: int,
@@ -208,10 +241,15 @@ def serve_registration(
     slots: int,
     port: int,
     timeout_s: float,
+    secret: str,
+    job_id: str,
     bind: str = "0.0.0.0",
 ) -> list[Host]:
     """Main node: wait for ``num_nodes - 1`` children, answer each with the hostfile, return the hosts in
-    order."""
+    order.
+
+    A registration is accepted only when it carries the job's token for its claim, and when the address it
+    claims is the address it connects from; others are logged and refused, and the main node waits on."""
     validate_host(main_ip)
     deadline = time.monotonic() + timeout_s
     registered: dict[int, tuple[Host, socket.socket]] = {}
@@ -232,6 +270,11 @@ def serve_registration(
                 try:
                     msg = json.loads(_recv_line(conn, min(deadline, time.monotonic() + 30)))
                     index, ip, n = int(msg["index"]), validate_host(str(msg["ip"])), int(msg["slots"])
+                    want = registration_token(secret, job_id, index, ip, n)
+                    if not hmac.compare_digest(str(msg.get("token", "")), want):
+                        raise ValueError("wrong token (not a node of this job)")
+                    if ip != peer[0]:
+                        raise ValueError(f"claims address {ip} but connects from {peer[0]}")
                     if not 0 <= index < num_nodes or index == main_index:
                         raise ValueError(f"node index {index} out of range")
                     if index in registered:
@@ -253,16 +296,19 @@ def serve_registration(
 
 
 def register_with_main(
-    main_ip: str, port: int, index: int, ip: str, slots: int, timeout_s: float
+    main_ip: str, port: int, index: int, ip: str, slots: int, timeout_s: float, secret: str, job_id: str
 ) -> list[Host]:
-    """Child node: register with the main node (retrying until it listens) and return the job's hosts."""
+    """Child node: register with the main node (retrying until it listens) and return the job's hosts. The
+    connection leaves from the claimed address, which the main node checks."""
     validate_host(ip)
     deadline = time.monotonic() + timeout_s
     last_err: Exception | None = None
+    token = registration_token(secret, job_id, index, ip, slots)
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection((main_ip, port), timeout=5) as conn:
-                conn.sendall(json.dumps({"index": index, "ip": ip, "slots": slots}).encode() + b"\n")
+            with socket.create_connection((main_ip, port), timeout=5, source_address=(ip, 0)) as conn:
+                msg = {"index": index, "ip": ip, "slots": slots, "token": token}
+                conn.sendall(json.dumps(msg).encode() + b"\n")
                 reply = json.loads(_recv_line(conn, deadline))
             hosts = []
             for line in reply["hostfile"].splitlines():
@@ -294,12 +340,14 @@ def awsbatch_hosts(slots: int, port: int, timeout_s: float, ip: str | None) -> t
     main_index = _env_int("AWS_BATCH_JOB_MAIN_NODE_INDEX")
     if index == main_index:
         my_ip = validate_host(ip or _first_hostname_ip())
-        hosts = (
-            serve_registration(num_nodes, main_index, my_ip, slots, port, timeout_s)
-            if num_nodes > 1
-            else [Host(my_ip, slots)]
+        if num_nodes == 1:
+            return [Host(my_ip, slots)], 0, my_ip
+        secret, job_id = job_credentials()
+        return (
+            serve_registration(num_nodes, main_index, my_ip, slots, port, timeout_s, secret, job_id),
+            0,
+            my_ip,
         )
-        return hosts, 0, my_ip
     main_ip = os.environ.get("AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS")
     if not main_ip:
         raise UserError("AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS is not set on this child node")
@@ -309,7 +357,7 @@ def awsbatch_hosts(slots: int, port: int, timeout_s: float, ip: str | None) -> t
         if ip == UNKNOWN_ADDRESS:
             raise UserError(f"no route from this node to the main node {main_ip}; pass --ip")
     my_ip = validate_host(ip)
-    hosts = register_with_main(main_ip, port, index, my_ip, slots, timeout_s)
+    hosts = register_with_main(main_ip, port, index, my_ip, slots, timeout_s, *job_credentials())
     names = [h.name for h in hosts]
     if my_ip not in names:
         raise UserError(

@@ -12,13 +12,14 @@ import argparse
 import json
 import os
 import re
+import secrets
 import shlex
 from pathlib import Path
 from typing import Any
 
 from common.atomic import atomic_write_text
 from common.errors import UserError
-from launch.hosts import DEFAULT_REGISTRATION_PORT
+from launch.hosts import DEFAULT_REGISTRATION_PORT, SECRET_ENV
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 REPO = Path(__file__).resolve().parents[1]
@@ -116,6 +117,13 @@ def render_awsbatch_jobdef(args: argparse.Namespace) -> dict[str, Any]:
         {"name": "WP_MASTER_PORT", "value": str(args.master_port)},
         {"name": "WP_REGISTRATION_PORT", "value": str(args.registration_port)},
     ]
+    # The registration secret: only the job's nodes may register with the main node (launch.hosts). From
+    # Secrets Manager when an ARN is given, else a fresh random one in the job definition itself (readable by
+    # whoever may describe the job definition).
+    if args.registration_secret_arn:
+        c["secrets"] = [{"name": SECRET_ENV, "valueFrom": args.registration_secret_arn}]
+    else:
+        c["environment"].append({"name": SECRET_ENV, "value": secrets.token_hex(32)})
     efa = args.efa_devices if args.efa_devices is not None else profile.efa_devices
     c["linuxParameters"]["devices"] = [
         {
@@ -160,6 +168,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--hostfile", default="hostfile", help="deepspeed: hostfile path")
     parser.add_argument("--image", default=None, help="awsbatch: container image URI")
+    parser.add_argument(
+        "--registration-secret-arn",
+        default=None,
+        help="awsbatch: Secrets Manager ARN of the node-registration secret (default: a random secret "
+        "written into the job definition)",
+    )
     parser.add_argument("--instance-type", default=None, help="awsbatch: default from the profile")
     parser.add_argument(
         "--efa-devices", type=int, default=None, help="awsbatch: /dev/infiniband/uverbs* count"

@@ -41,6 +41,7 @@ def test_outside_the_launcher_is_a_one_line_error() -> None:
 @pytest.mark.slow
 def test_two_cpu_ranks_print_the_table(tmp_path: Path) -> None:
     out = tmp_path / "comm.json"
+    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     r = subprocess.run(
         [sys.executable, "-m", "launch", "commbench", "--launch-local", "2", "--sizes", "4K,64K,32M",
          "--iters", "3", "--out", str(out)],
@@ -59,4 +60,7 @@ def test_two_cpu_ranks_print_the_table(tmp_path: Path) -> None:
             "all_gather_into_tensor",
             "reduce_scatter_tensor",
         )  # no fallback on gloo
+    assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before, (
+        "the job left /dev/shm files"
+    )
     print(r.stdout[r.stdout.index("commbench:") :])

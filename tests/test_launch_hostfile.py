@@ -77,6 +77,9 @@ def test_hostfile_from_list_rejects_injection_with_one_line(tmp_path: Path) -> N
     assert len(r.stderr.strip().splitlines()) == 1 and not out.exists()
 
 
+SECRET = "a-secret-from-the-job-definition"
+
+
 def test_awsbatch_registration_three_nodes_on_loopback(tmp_path: Path) -> None:
     """Main node and two children as separate processes talking over real TCP sockets."""
     port = free_port()
@@ -87,6 +90,8 @@ def test_awsbatch_registration_three_nodes_on_loopback(tmp_path: Path) -> None:
             AWS_BATCH_JOB_NUM_NODES="3",
             AWS_BATCH_JOB_NODE_INDEX=str(index),
             AWS_BATCH_JOB_MAIN_NODE_INDEX="0",
+            AWS_BATCH_JOB_ID=f"job-1#{index}",
+            WP_REGISTRATION_SECRET=SECRET,
         )
         if index:
             env["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = "127.0.0.1"
@@ -113,7 +118,12 @@ def test_awsbatch_registration_three_nodes_on_loopback(tmp_path: Path) -> None:
 
 def test_awsbatch_main_times_out_when_a_child_never_registers(tmp_path: Path) -> None:
     env = run_env()
-    env.update(AWS_BATCH_JOB_NUM_NODES="2", AWS_BATCH_JOB_NODE_INDEX="0", AWS_BATCH_JOB_MAIN_NODE_INDEX="0")
+    env.update(AWS_BATCH_JOB_NUM_NODES="2", AWS_BATCH_JOB_NODE_INDEX="0", AWS_BATCH_JOB_MAIN_NODE_INDEX="0",
+               AWS_BATCH_JOB_ID="job-1#0")  # fmt: skip
+    r = _cli("--from", "awsbatch", "--slots", "8", "--port", str(free_port()), "--timeout", "2", "--ip",
+             "127.0.0.1", "--out", str(tmp_path / "hf"), env=env)  # fmt: skip
+    assert r.returncode == 2 and "WP_REGISTRATION_SECRET is not set" in r.stderr  # no secret: refused
+    env["WP_REGISTRATION_SECRET"] = SECRET
     out = tmp_path / "hf"
     r = _cli("--from", "awsbatch", "--slots", "8", "--port", str(free_port()), "--timeout", "2", "--ip",
              "127.0.0.1", "--out", str(out), env=env)  # fmt: skip

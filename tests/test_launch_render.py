@@ -101,6 +101,14 @@ def test_awsbatch_job_definition_and_entrypoint(tmp_path: Path) -> None:
     assert {"name": "memlock", "softLimit": -1, "hardLimit": -1} in c["ulimits"]
     assert c["command"][-1] == "train.steps=10"
     assert "{{" not in out.read_text()
+    secret = {e["name"]: e["value"] for e in c["environment"]}["WP_REGISTRATION_SECRET"]
+    assert len(secret) == 64 and "secrets" not in c  # a fresh random secret per job definition
+    arn = "arn:aws:secretsmanager:us-east-1:1:secret:wp"
+    r = render(tmp_path, "awsbatch", "--config", "configs/bert.yaml", "--nodes", "2", "--image", "i", "--out",
+               str(out), "--registration-secret-arn", arn)  # fmt: skip
+    c = json.loads(out.read_text())["nodeProperties"]["nodeRangeProperties"][0]["container"]
+    assert c["secrets"] == [{"name": "WP_REGISTRATION_SECRET", "valueFrom": arn}]
+    assert "WP_REGISTRATION_SECRET" not in {e["name"] for e in c["environment"]}
     entry = tmp_path / "awsbatch_entrypoint.sh"
     assert subprocess.run(["bash", "-n", str(entry)]).returncode == 0
 
@@ -120,6 +128,7 @@ def test_awsbatch_entrypoint_two_nodes_register_and_get_ranks(tmp_path: Path) ->
         env = dry_env(tmp_path)
         env.update(AWS_BATCH_JOB_NUM_NODES="2", AWS_BATCH_JOB_NODE_INDEX=str(index),
                    AWS_BATCH_JOB_MAIN_NODE_INDEX="0", WP_NODE_IP=ip, WP_REGISTRATION_PORT=port,
+                   AWS_BATCH_JOB_ID=f"j#{index}", WP_REGISTRATION_SECRET="s" * 32,
                    WP_WORK=str(tmp_path / "work"
                        f"{index}"))  # fmt: skip
         if index:
@@ -135,3 +144,35 @@ def test_awsbatch_entrypoint_two_nodes_register_and_get_ranks(tmp_path: Path) ->
         assert argv[argv.index("--master_addr") + 1] == "127.0.0.1"
         assert argv[argv.index("--config") + 1] == evil and argv[-1] == "a=1"
     assert (tmp_path / "work1" / "hostfile").read_text() == "127.0.0.1 slots=8\n127.0.0.2 slots=8\n"
+
+
+CHILD = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))  # like a rank: save, exit 3
+open(sys.argv[1], "w").write("up")
+time.sleep(60)
+sys.exit(0)
+"""
+
+
+def test_slurm_script_asks_for_the_signal_and_forwards_it(tmp_path: Path) -> None:
+    """`--signal=B:TERM@120` brings SIGTERM to the batch shell ahead of the time limit; its ``run`` helper
+    passes it to the running launcher and returns the launcher's exit code (3: saved, requeue)."""
+    import signal
+    import time
+
+    out = tmp_path / "job.sbatch"
+    r = render(tmp_path, "slurm", "--config", "configs/bert.yaml", "--nodes", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "#SBATCH --signal=B:TERM@120" in text
+    helper = text[text.index("run() {") : text.index("\n}\n", text.index("run() {")) + 3]
+    up = tmp_path / "up"
+    script = f"{helper}\nrun {shlex.quote(sys.executable)} -c {shlex.quote(CHILD)} {shlex.quote(str(up))}\n"
+    shell = subprocess.Popen(["bash", "-c", script + 'exit "$?"'])
+    deadline = time.monotonic() + 30
+    while not up.exists():
+        assert time.monotonic() < deadline and shell.poll() is None
+        time.sleep(0.05)
+    shell.send_signal(signal.SIGTERM)
+    assert shell.wait(timeout=30) == 3

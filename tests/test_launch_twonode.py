@@ -139,3 +139,60 @@ def test_node1_cut_off_node0_exits_by_timeout(tmp_path: Path) -> None:
     assert rc0 != 0, text
     assert elapsed < 60
     assert "Timed out" in text or "timed out" in text or "Connection" in text, text[-3000:]
+
+
+FORGER = """
+import json, socket, sys
+from launch.hosts import registration_token
+main, port, claim, secret = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+token = registration_token(secret, "job-7#1", 1, claim, 8)
+with socket.create_connection((main, port), timeout=10) as c:
+    c.sendall(json.dumps({"index": 1, "ip": claim, "slots": 8, "token": token}).encode() + b"\\n")
+    print("reply" if c.recv(1 << 16) else "closed")
+"""
+
+
+def test_awsbatch_registration_admits_only_the_jobs_nodes(tmp_path: Path) -> None:
+    """The main node (namespace 0) refuses a registration from node 1's address that claims another address,
+    and one with a token made under another secret; node 1's real registration then completes the job."""
+    secret = "the-job-definitions-secret"
+    with two_nodes("r") as (n0, n1):
+        env = {**run_env(), "AWS_BATCH_JOB_NUM_NODES": "2", "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0",
+               "WP_REGISTRATION_SECRET": secret}  # fmt: skip
+        main_out = tmp_path / "hf0"
+        main = subprocess.Popen(
+            n0.cmd(sys.executable, "-m", "launch", "hostfile", "--from", "awsbatch", "--slots", "8", "--port",
+                   "29499", "--timeout", "60", "--ip", n0.addr, "--out", str(main_out)),
+            cwd=REPO, env={**env, "AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_ID": "job-7#0"},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            forged = []
+            for claim, key in ((f"{n1.addr[:-1]}9", secret), (n1.addr, "another-secret-altogether")):
+                deadline = time.monotonic() + 30
+                while True:  # until the main node listens
+                    r = subprocess.run(n1.cmd(sys.executable, "-c", FORGER, n0.addr, "29499", claim, key),
+                                       cwd=REPO, env=run_env(), capture_output=True, text=True)  # fmt: skip
+                    if r.returncode == 0 or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.3)
+                forged.append(r.stdout.strip())
+            assert forged == ["closed", "closed"], forged  # refused: no hostfile sent back
+            child = subprocess.run(
+                n1.cmd(sys.executable, "-m", "launch", "hostfile", "--from", "awsbatch", "--slots", "8",
+                       "--port", "29499", "--timeout", "60", "--ip", n1.addr, "--out", str(tmp_path / "hf1")),
+                cwd=REPO, env={**env, "AWS_BATCH_JOB_NODE_INDEX": "1", "AWS_BATCH_JOB_ID": "job-7#1",
+                               "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS": n0.addr},
+                capture_output=True, text=True, timeout=90,
+            )  # fmt: skip
+            _, err = main.communicate(timeout=60)
+        finally:
+            if main.poll() is None:
+                main.kill()
+        assert child.returncode == 0 and main.returncode == 0, (child.stderr, err)
+        assert (
+            f"rejected registration from {n1.addr}: claims address {n1.addr[:-1]}9 but connects from" in err
+        )
+        assert f"rejected registration from {n1.addr}: wrong token" in err
+        hostfile = f"{n0.addr} slots=8\n{n1.addr} slots=8\n"
+        assert main_out.read_text() == (tmp_path / "hf1").read_text() == hostfile

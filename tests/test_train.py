@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -238,16 +240,18 @@ def test_half_written_and_damaged_checkpoints(bert_data, straight_run, tmp_path)
     assert losses(run_dir)[5] == losses(straight_run)[5]  # step 5 redone from step 4's state, exactly
 
 
-def signal_running_job(bert_data, run_dir: Path, port: int, target: str) -> tuple[int, str]:
-    """Start a long 2-rank job, wait for its second step, SIGTERM ``target`` ("rank1" or "launcher")."""
-    cmd = [*launcher(2, port=port), "train.py", *common(bert_data, run_dir, "train.steps=10000")]
+def signal_running_job(bert_data, run_dir: Path, port: int, target: str, *extra: str) -> tuple[int, str]:
+    """Start a long 2-rank job, wait for its second step, SIGTERM ``target``: "rank1", "launcher"
+    (``deepspeed.launcher.launch``) or "runner" (the ``deepspeed`` command alone)."""
+    cmd = [*launcher(2, port=port), "train.py", *common(bert_data, run_dir, "train.steps=10000", *extra)]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
-            if (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2:
+            started = (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2
+            if started and (not extra or (run_dir / "checkpoints" / "latest").exists()):
                 break
             time.sleep(0.5)
         else:
@@ -256,8 +260,10 @@ def signal_running_job(bert_data, run_dir: Path, port: int, target: str) -> tupl
                      if "deepspeed.launcher.launch" in " ".join(p.cmdline())]  # fmt: skip
         ranks = [p for p in launchers[0].children() if "train.py" in " ".join(p.cmdline())]
         assert len(ranks) == 2
-        (ranks[1] if target == "rank1" else launchers[0]).send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=120)
+        victim = {"rank1": ranks[1], "launcher": launchers[0], "runner": psutil.Process(proc.pid)}[target]
+        victim.send_signal(signal.SIGTERM)
+        output, _ = proc.communicate(timeout=120)  # until every process holding the pipe has ended
+        psutil.wait_procs(ranks + launchers, timeout=60)
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), (
             "ranks left running"
         )
@@ -274,6 +280,96 @@ def test_sigterm_to_the_launcher_saves(bert_data, tmp_path):
     _, output = signal_running_job(bert_data, run_dir, 29700 + os.getpid() % 200, "launcher")
     assert "SIGTERM: stopping after step" in output and "DataLoader worker" not in output, output[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{max(losses(run_dir)):08d}"
+
+
+def test_sigterm_to_the_deepspeed_command_alone_saves(bert_data, tmp_path):
+    """The ``deepspeed`` command passes no signal on when killed; its ranks notice their launcher is gone,
+    save and exit with code 3 instead of training on as orphans."""
+    run_dir = tmp_path / "run"
+    rc, output = signal_running_job(bert_data, run_dir, 29900 + os.getpid() % 90, "runner")
+    assert rc == -signal.SIGTERM
+    assert "is gone); saving, exit code 3" in output, output[-3000:]
+    assert "exits with return code = 3" in output, output[-3000:]  # deepspeed.launcher.launch's report
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{max(losses(run_dir)):08d}"
+
+
+def test_sigterm_without_time_to_save_keeps_the_last_checkpoint(bert_data, tmp_path):
+    """With checkpoint.preempt_grace_s shorter than a save, a SIGTERM ends the job (exit 3) without a new
+    checkpoint, says so, and the last periodic checkpoint is the resume point."""
+    run_dir = tmp_path / "run"
+    grace = ("checkpoint.every=2", "checkpoint.preempt_grace_s=0.001")
+    rc, output = signal_running_job(bert_data, run_dir, 29400 + os.getpid() % 90, "rank1", *grace)
+    assert rc == 3, output[-3000:]
+    stopped = max(losses(run_dir))
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert int(latest.removeprefix("step")) < stopped
+    assert f"SIGTERM: no checkpoint at step {stopped}: the last save took" in output
+    assert f"the next start resumes from {latest}" in output
+
+
+def test_disk_full_during_a_save_fails_cleanly(bert_data, tmp_path):
+    """checkpoint.dir on a 32 MiB tmpfs: the step-4 checkpoint (about 21 MB) fits, the step-8 one does not.
+    Every rank stops at once with one line saying the disk is full; the partial tag is gone, latest still
+    names step 4, which loads: after the filesystem grows, the restart resumes from it and finishes."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(ckpt)], check=True)
+    try:
+        run_dir = tmp_path / "run"
+        args = common(bert_data, run_dir, f"checkpoint.dir={ckpt}", "train.eval_every=0")
+        full = deepspeed(args)
+        errors = [ln for ln in full.stderr.splitlines() if ln.startswith("error:")]
+        assert full.returncode != 0 and len(errors) == 1, full.stderr[-3000:]
+        assert f"saving checkpoint {ckpt / 'step00000008'} failed on node" in errors[0], errors
+        assert "the disk is full" in errors[0] and f"{ckpt / 'latest'} still names step00000004" in errors[0]
+        assert "Traceback" not in full.stderr
+        assert (
+            not (ckpt / "step00000008").exists() and (ckpt / "latest").read_text().strip() == "step00000004"
+        )
+        subprocess.run(["mount", "-o", "remount,size=96m", str(ckpt)], check=True)
+        again = deepspeed(args)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"resumed from {ckpt / 'step00000004'} at step 4" in again.stderr
+        assert (ckpt / "latest").read_text().strip() == "step00000008"
+    finally:
+        subprocess.run(["umount", str(ckpt)], check=True)
+
+
+def test_a_hung_rank_ends_the_job_within_the_timeout(bert_data, tmp_path):
+    """SIGSTOP one rank mid-run with deepspeed.timeout_s=20: the other rank leaves its collective (ZeRO-2's
+    groups included) within the timeout, and the launcher ends the job."""
+    run_dir = tmp_path / "run"
+    cmd = [*launcher(2, port=29800 + os.getpid() % 100), "train.py",
+           *common(bert_data, run_dir, "train.steps=10000", "deepspeed.timeout_s=20")]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    ranks: list = []
+    try:
+        deadline = time.time() + 180
+        while not ((run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2):
+            assert time.time() < deadline and proc.poll() is None, "training did not start"
+            time.sleep(0.5)
+        launch = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                  if "deepspeed.launcher.launch" in " ".join(p.cmdline())]  # fmt: skip
+        ranks = [p for p in launch[0].children() if "train.py" in " ".join(p.cmdline())]
+        assert len(ranks) == 2, ranks
+        t0 = time.time()
+        ranks[1].send_signal(signal.SIGSTOP)
+        output, _ = proc.communicate(timeout=120)
+        elapsed = time.time() - t0
+    finally:
+        for p in ranks:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert elapsed < 20 + 25, (
+        f"the job ended {elapsed:.0f} s after the rank hung; timeout 20 s\n{output[-3000:]}"
+    )
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), "ranks left running"
 
 
 def test_sigterm_saves_and_exits_with_distinct_code(bert_data, tmp_path):
@@ -381,21 +477,26 @@ def test_phase2_starts_from_phase1_weights_with_fresh_schedule(bert_data, straig
 
 
 def test_resume_on_a_different_world_size(bert_data, tmp_path):
-    """2 ranks to step 4, then 1 rank with the same global batch: a universal checkpoint, the next samples."""
+    """1 rank to step 4, then 2 ranks with the same global batch: a universal checkpoint, the next samples.
+    Rank 0 converts while rank 1 waits on the checkpoint directory, outside any collective: the resumed run's
+    collective timeout (5 s) is shorter than the conversion."""
     nodrop = "model.dropout=0.0"  # only the reduction order then differs between 2 ranks and 1
     straight, run_dir = tmp_path / "straight", tmp_path / "run"
     assert deepspeed(common(bert_data, straight, nodrop)).returncode == 0
-    first = deepspeed(common(bert_data, run_dir, nodrop, "train.stop_at_step=4"))
+    first = deepspeed(common(bert_data, run_dir, nodrop, "train.stop_at_step=4"), ranks=1)
     assert first.returncode == 3, first.stderr[-3000:]
-    second = deepspeed(common(bert_data, run_dir, nodrop), ranks=1)
+    second = deepspeed(common(bert_data, run_dir, nodrop, "deepspeed.timeout_s=5"))
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'universal-step00000004'} at step 4" in second.stderr
+    took = re.search(r"converted .*step00000004 in ([0-9.]+) s", second.stderr)
+    assert took, second.stderr[-3000:]
+    print(f"conversion took {took.group(1)} s under a 5 s collective timeout")
     a, b = losses(straight), losses(run_dir)
     assert sorted(b) == list(range(1, 9))
     assert [b[s] for s in range(5, 9)] == pytest.approx([a[s] for s in range(5, 9)], rel=2e-3)
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 1 and summary["grad_accum"] == 4 and summary["samples"] == 8 * 16
-    # the same 32 held-out samples on 1 rank as on 2: equal evaluation up to the reduction order
+    assert summary["world_size"] == 2 and summary["grad_accum"] == 2 and summary["samples"] == 8 * 16
+    # the same 32 held-out samples on 2 ranks after 1: equal evaluation up to the reduction order
     ref = json.loads((straight / "summary.json").read_text())
     assert summary["eval_samples"] == ref["eval_samples"] == 32
     assert summary["eval_loss"] == pytest.approx(ref["eval_loss"], rel=2e-3)

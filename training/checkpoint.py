@@ -22,6 +22,7 @@ that it sees every file of the chosen tag with its recorded size.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -29,6 +30,8 @@ import re
 import secrets
 import shutil
 import socket
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -228,15 +231,35 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
     extra = {
         UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
     }
-    engine.save_checkpoint(
-        str(ckpt_dir), tag=tag, client_state={"client": client_state, **extra}, save_latest=False
-    )
-    with atomic_path(ckpt_dir / tag / f"rng_rank{rank}.pt") as tmp:
-        torch.save(rng_state(), tmp)
-    if rank == 0:
-        atomic_write_json(ckpt_dir / tag / "client_state.json", client_state)
-    fsync_tree(ckpt_dir / tag, rank)  # this rank's files are on disk before it enters the commit barrier
-    collectives.barrier()
+    guard = _GuardedWrites(engine)
+    error = None
+    try:
+        with (
+            guard
+        ):  # a failed write does not skip DeepSpeed's own barriers: every rank reaches the vote below
+            engine.save_checkpoint(
+                str(ckpt_dir), tag=tag, client_state={"client": client_state, **extra}, save_latest=False
+            )
+        if guard.error is not None:
+            raise guard.error
+        with atomic_path(ckpt_dir / tag / f"rng_rank{rank}.pt") as tmp:
+            torch.save(rng_state(), tmp)
+        if rank == 0:
+            atomic_write_json(ckpt_dir / tag / "client_state.json", client_state)
+        fsync_tree(ckpt_dir / tag, rank)  # this rank's files are on disk before it votes to commit
+    except (OSError, RuntimeError) as e:
+        error = _describe_write_error(e, ckpt_dir)
+    votes = collectives.all_gather_object((error, socket.gethostname(), rank))  # also the commit barrier
+    failed = [(why, host, r) for why, host, r in votes if why]
+    if failed:
+        if rank == 0:  # the partial tag goes at once: its space is what a full disk lacks
+            shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+        why, host, r = failed[0]
+        previous = latest_complete(ckpt_dir)
+        raise UserError(
+            f"saving checkpoint {ckpt_dir / tag} failed on node {host} (rank {r}): {why}; nothing of it was "
+            f"committed and {ckpt_dir / LATEST} still names {previous or 'no checkpoint'}"
+        )
     if rank == 0:
         atomic_write_json(ckpt_dir / tag / COMPLETE, {"files": tag_files(ckpt_dir / tag)})
         fsync_dir(ckpt_dir / tag)
@@ -252,6 +275,48 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
     return tag
 
 
+class _GuardedWrites:
+    """While active, DeepSpeed's checkpoint engine records the first error of its file writes instead of
+    raising it (and skips the writes after it), so the failing rank still reaches DeepSpeed's barriers and
+    the commit vote, and every rank learns of the failure at once instead of waiting out the collective
+    timeout."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine.checkpoint_engine
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> _GuardedWrites:
+        real = self.engine.save
+
+        def save(*args: Any, **kwargs: Any) -> Any:
+            if self.error is not None:
+                return None
+            try:
+                return real(*args, **kwargs)
+            except (OSError, RuntimeError) as e:
+                self.error = e
+                return None
+
+        self.engine.save = save  # an instance attribute: shadows the class's method until __exit__
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.engine.save
+
+
+def _describe_write_error(e: BaseException, ckpt_dir: Path) -> str:
+    """One line for a failed checkpoint write; says "the disk is full" when it is (torch.save reports ENOSPC
+    as an opaque zip-writer RuntimeError)."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    try:
+        free = shutil.disk_usage(ckpt_dir).free
+    except OSError:
+        free = -1
+    if getattr(e, "errno", None) == errno.ENOSPC or 0 <= free < 16 << 20:
+        return f"the disk is full ({free >> 20} MiB free on {ckpt_dir}; {type(e).__name__}: {first})"
+    return f"{type(e).__name__}: {first}"
+
+
 def read_client_state(ckpt_dir: Path, tag: str) -> dict[str, Any]:
     path = ckpt_dir / tag / "client_state.json"
     try:
@@ -264,35 +329,75 @@ UNIVERSAL_PREFIX = "universal-"
 UNIVERSAL_DONE = "UNIVERSAL_COMPLETE"
 
 
-def to_universal(ckpt_dir: Path, tag: str) -> str:
-    """Convert a complete tag to DeepSpeed's universal format (rank 0; every rank waits); returns its tag.
+def to_universal(ckpt_dir: Path, tag: str, wait_s: float = 6 * 3600) -> str:
+    """Convert a complete tag to DeepSpeed's universal format (rank 0); returns its tag.
 
     A universal checkpoint stores each parameter's FP32 weights and optimizer moments whole, so a run with a
     different data-parallel world size can load it (``checkpoint.load_universal``). DeepSpeed's own
     ``ds_to_universal`` does the conversion; the result is committed by a marker, so a crash mid-conversion
-    is redone on the next start.
+    is redone on the next start. The conversion runs outside any collective: for a model of billions of
+    parameters it takes longer than a collective timeout, so the other ranks wait for the marker (or a
+    failure note) on the shared checkpoint directory, up to ``wait_s``, and then meet rank 0 in a barrier.
+    Rank 0 logs progress every 30 s.
     """
+    out_tag = UNIVERSAL_PREFIX + tag
+    out = ckpt_dir / out_tag
+    attempt = collectives.broadcast_object(secrets.token_hex(6))  # names this attempt's failure note
+    failed = ckpt_dir / f".{out_tag}.{attempt}.failed"
+    if collectives.rank() == 0:
+        if not (out / UNIVERSAL_DONE).exists():
+            try:
+                _convert(ckpt_dir, tag, out)
+            except UserError as e:
+                atomic_write_text(failed, str(e))
+                raise
+    else:
+        deadline = time.monotonic() + wait_s
+        while not (out / UNIVERSAL_DONE).exists():
+            if failed.exists():
+                raise UserError(failed.read_text())
+            if time.monotonic() > deadline:
+                raise UserError(
+                    f"{ckpt_dir / tag}: rank 0 did not finish the universal conversion within "
+                    f"checkpoint.convert_timeout_s={wait_s:.0f}"
+                )
+            time.sleep(1.0)
+    collectives.barrier()
+    if collectives.rank() == 0:
+        failed.unlink(missing_ok=True)
+    return out_tag
+
+
+def _convert(ckpt_dir: Path, tag: str, out: Path) -> None:
     import subprocess
     import sys
 
-    out_tag = UNIVERSAL_PREFIX + tag
-    out = ckpt_dir / out_tag
-    if collectives.rank() == 0 and not (out / UNIVERSAL_DONE).exists():
-        log.info(f"converting {ckpt_dir / tag} to a universal checkpoint for a new world size")
+    log.info(f"converting {ckpt_dir / tag} to a universal checkpoint for a new world size")
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+           str(ckpt_dir / tag), "--output_folder", str(out), "--num_extract_workers", "1",
+           "--num_merge_workers", "1"]  # fmt: skip
+    t0 = time.monotonic()
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout or []), daemon=True)
+        reader.start()
+        while proc.poll() is None:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                log.info(f"converting {ckpt_dir / tag}: {time.monotonic() - t0:.0f} s")
+        reader.join(timeout=10)
+    (ckpt_dir / "latest_universal").unlink(missing_ok=True)  # we keep our own pointers
+    if proc.returncode != 0:
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-               str(ckpt_dir / tag), "--output_folder", str(out), "--num_extract_workers", "1",
-               "--num_merge_workers", "1"]  # fmt: skip
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        (ckpt_dir / "latest_universal").unlink(missing_ok=True)  # we keep our own pointers
-        if res.returncode != 0:
-            shutil.rmtree(out, ignore_errors=True)
-            tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or ["no output"]
-            raise UserError(f"{ckpt_dir / tag}: conversion to a universal checkpoint failed ({tail[0]})")
-        shutil.copy2(ckpt_dir / tag / "client_state.json", out / "client_state.json")
-        atomic_write_text(out / UNIVERSAL_DONE, "ok\n")
-    collectives.barrier()
-    return out_tag
+        tail = [ln.strip() for ln in lines if ln.strip()][-1:] or ["no output"]
+        raise UserError(f"{ckpt_dir / tag}: conversion to a universal checkpoint failed ({tail[0]})")
+    shutil.copy2(ckpt_dir / tag / "client_state.json", out / "client_state.json")
+    fsync_tree(out, 0)
+    atomic_write_text(out / UNIVERSAL_DONE, "ok\n")
+    log.info(f"converted {ckpt_dir / tag} in {time.monotonic() - t0:.1f} s")
 
 
 def load(engine, ckpt_dir: Path, tag: str, *, module_only: bool = False) -> None:
@@ -504,7 +609,8 @@ def _check_resumable(
         )
 
 
-def restore(engine, point: ResumePoint, client_static: dict[str, Any], reseed: Callable[[int], None]) -> None:
+def restore(engine, point: ResumePoint, client_static: dict[str, Any], reseed: Callable[[int], None],
+            wait_s: float = 6 * 3600) -> None:  # fmt: skip
     """check -> convert -> load -> re-seed: continue a run from ``point`` on every rank.
 
     The learning rate of the first resumed step comes from this run's schedule (which may be longer than the
@@ -513,7 +619,7 @@ def restore(engine, point: ResumePoint, client_static: dict[str, Any], reseed: C
     from training.lans import attach_zero
 
     check_compatible(point.saved, client_static, point.ckpt_dir / point.tag)
-    tag = to_universal(point.ckpt_dir, point.tag) if point.universal else point.tag
+    tag = to_universal(point.ckpt_dir, point.tag, wait_s) if point.universal else point.tag
     load(engine, point.ckpt_dir, tag)
     attach_zero(engine)  # the per-tensor layout is rebuilt from DeepSpeed's links after a load
     if point.universal:  # per-rank RNG streams cannot carry over to another world size: re-seed from the step

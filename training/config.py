@@ -137,7 +137,8 @@ class DeepSpeedSection:
     backend: Literal["auto", "nccl", "gloo", "hccl", "ccl"] = "auto"
     """Communication backend; auto = nccl on CUDA, gloo on CPU."""
     timeout_s: int = 600
-    """Collective timeout: a dead rank ends the job within this bound instead of hanging it."""
+    """Collective timeout of every process group of the job (DeepSpeed's own groups included): a dead or hung
+    rank ends the job within this bound instead of hanging it."""
     overlap_comm: bool = True
     bucket_size: int = 200_000_000
 
@@ -153,6 +154,14 @@ class CheckpointSection:
     resume: str = "auto"
     """auto: the newest complete checkpoint if any; never: refuse to run over existing checkpoints; or a
     path."""
+    preempt_grace_s: float = 25.0
+    """After SIGTERM (or the loss of a launcher): the time the job has to finish its step, save and exit,
+    below the DeepSpeed launcher's 30 s before it kills the ranks (and Slurm's KillWait). When the previous
+    save's duration says a save cannot finish in what remains, it is skipped: the job exits 3 and resumes
+    from the last complete checkpoint (logged)."""
+    convert_timeout_s: int = 6 * 3600
+    """How long the other ranks wait (on a file, outside any collective) while rank 0 converts a checkpoint
+    to the universal format for a resume on another world size."""
 
 
 @dataclass

@@ -77,17 +77,26 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.*deprecated", category=FutureWarning)
 
 
+def no_shm_all_reduce() -> None:
+    """Keep DeepSpeed from building its CPU shared-memory all-reduce (before ``init_distributed``).
+
+    DeepSpeed builds and maps it at every CPU start: seconds of start-up, and two 69 MB
+    ``deepspeed_allreduce_buffer_*`` files left in /dev/shm per job, which nothing removes (RAM-backed: about
+    50 launches pinned 7 GB). Only its inference all-reduce uses it; training and our benchmarks never do.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def start(cfg: Config) -> None:
     """Checks, threads, determinism and the process group (the launcher's env vars, or a single process)."""
     quiet()
     import deepspeed
-    import deepspeed.ops
 
     check_setup(cfg)
     if backend_for(cfg.deepspeed) == "gloo":
-        # DeepSpeed builds and maps a shared-memory all-reduce at every CPU start (seconds of start-up, two
-        # 69 MB files left in /dev/shm per job). Only its inference all-reduce uses it; training never does.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        no_shm_all_reduce()
     if cfg.run.threads_per_rank:
         torch.set_num_threads(cfg.run.threads_per_rank)
     if cfg.train.deterministic:
@@ -101,11 +110,23 @@ def start(cfg: Config) -> None:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
-    deepspeed.init_distributed(
-        dist_backend=backend_for(section),
-        timeout=datetime.timedelta(seconds=section.timeout_s),
-        verbose=False,
-    )
+    timeout = datetime.timedelta(seconds=section.timeout_s)
+    bound_every_group(timeout)
+    deepspeed.init_distributed(dist_backend=backend_for(section), timeout=timeout, verbose=False)
+
+
+def bound_every_group(timeout: datetime.timedelta) -> None:
+    """Make ``timeout`` the default of every process group, not only the world group.
+
+    DeepSpeed creates its data-parallel and ZeRO groups with ``dist.new_group(ranks)`` and no timeout, which
+    torch then takes from a module default (30 minutes for gloo, 10 for NCCL), so a hung rank held its peers
+    in a ZeRO collective far beyond ``deepspeed.timeout_s``. torch reads that default when a group is created.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    if hasattr(c10d, "default_pg_nccl_timeout"):
+        c10d.default_pg_nccl_timeout = timeout
 
 
 def effective_zero_stage(section: DeepSpeedSection) -> int:

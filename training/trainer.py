@@ -21,9 +21,11 @@ import hashlib
 import json
 import math
 import os
+import re
 import resource
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,6 +42,7 @@ from training.metrics import mfu, tflops_per_device, throughput
 log = get_logger("train")
 
 EXIT_PREEMPTED = 3  # SIGTERM or train.stop_at_step: the current step finished, a checkpoint was saved
+LAUNCHER_POLL_S = 1.0  # how often a rank checks that its launchers are alive
 LOSS_PARTS = ("mlm_loss", "nsp_loss")  # logged beside the total loss when the model returns them
 
 
@@ -114,15 +117,66 @@ class Clock:
         }
 
 
+_LAUNCHER_CMD = re.compile(r"deepspeed\.launcher|/deepspeed\b|\bdeepspeed\s|torchrun|torch\.distributed\.run")
+
+
+def _proc(pid: int) -> tuple[str, int, str] | None:
+    """(command line, parent pid, start time) of a live process, or None (gone, or a zombie)."""
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else (cmd, int(fields[1]), fields[19])
+
+
+def launcher_chain() -> list[tuple[int, str]]:
+    """The launcher processes above this rank, nearest first (``deepspeed.launcher.launch`` and the
+    ``deepspeed`` command above it, or torchrun), as (pid, start time): the walk stops at the first
+    ancestor that is not a launcher (a shell, slurmstepd, a test)."""
+    chain, pid = [], os.getppid()
+    while pid > 1:
+        info = _proc(pid)
+        if info is None or not _LAUNCHER_CMD.search(info[0]):
+            break
+        chain.append((pid, info[2]))
+        pid = info[1]
+    return chain
+
+
 class StopRequest:
-    """SIGTERM (spot reclaim, batch-job preemption) asks every rank to stop after the current step."""
+    """SIGTERM (spot reclaim, batch-job preemption) asks every rank to stop after the current step.
+
+    So does the death of a launcher above the rank: the ``deepspeed`` command, killed alone, does not pass
+    the signal on, and its ranks would train on to the last step. A daemon thread looks at the launcher
+    chain once a second (``LAUNCHER_POLL_S``); when one has gone, the rank stops as on SIGTERM (save, exit
+    code 3), and so does every rank, through the step's stop flag.
+    """
 
     def __init__(self) -> None:
         self.requested = False
+        self.reason = ""
+        self.at: float | None = None  # time.monotonic() of the request on this rank
         signal.signal(signal.SIGTERM, self._handler)
+        chain = launcher_chain()
+        if chain:
+            threading.Thread(target=self._watch, args=(chain,), name="launcher-watch", daemon=True).start()
 
     def _handler(self, signum, frame) -> None:  # noqa: ARG002
+        self.at = self.at or time.monotonic()
         self.requested = True
+        self.reason = self.reason or "SIGTERM"
+
+    def _watch(self, chain: list[tuple[int, str]]) -> None:
+        while not self.requested:
+            time.sleep(LAUNCHER_POLL_S)
+            for pid, started in chain:
+                info = _proc(pid)
+                if info is None or info[2] != started:
+                    self.reason = f"the launcher (pid {pid}) is gone"
+                    self.at = self.at or time.monotonic()
+                    self.requested = True
+                    return
 
 
 class StepReduction:
@@ -210,6 +264,7 @@ class Trainer:
         self.state = TrainState()
         self.clock = Clock(logging.warmup_steps)
         self.stop = StopRequest()
+        self.last_save_s: float | None = None  # duration of the newest save (the grace check after SIGTERM)
         self.device = engine.device
         self._iter: Iterator[dict[str, torch.Tensor]] | None = None
         self.last_eval: dict[str, float] = {}
@@ -359,12 +414,33 @@ class Trainer:
         parts += [f"{label} {record[k]:.4f}" for k, label in labels if k in record]
         log.info(" | ".join(parts))
 
+    def _save_fits(self, stopped: str) -> bool:
+        """After SIGTERM: whether a save can finish in what remains of ``checkpoint.preempt_grace_s``,
+        judged by the previous save's duration (unknown: try). Rank 0 decides for every rank (a save is
+        collective)."""
+        if stopped != "sigterm":
+            return True
+        now = time.monotonic()
+        remaining = self.ckpt.preempt_grace_s - (now - (self.stop.at or now))
+        fits = self.last_save_s is None or self.last_save_s <= remaining
+        if not collectives.broadcast_object(fits):
+            latest = checkpoint.latest_complete(self.ckpt_dir)
+            log.warning(
+                f"SIGTERM: no checkpoint at step {self.state.step}: the last save took "
+                f"{self.last_save_s or 0:.1f} s and {max(0.0, remaining):.1f} s of "
+                f"checkpoint.preempt_grace_s={self.ckpt.preempt_grace_s:g} remain; the next start resumes "
+                f"from {latest or 'the beginning'}"
+            )
+            return False
+        return True
+
     def save(self) -> str:
         t0 = time.perf_counter()
         tag = checkpoint.save(
             self.engine, self.ckpt_dir, self.state.step, self.client_state(), self.ckpt.keep
         )
-        self.clock.save_s += time.perf_counter() - t0
+        self.last_save_s = time.perf_counter() - t0
+        self.clock.save_s += self.last_save_s
         self._last_saved = self.state.step
         log.info(f"saved checkpoint {self.ckpt_dir / tag}")
         return tag
@@ -393,7 +469,9 @@ class Trainer:
             if self.clock.running:
                 self.clock.measured_steps += 1
             do_eval = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
+            # a stopping run saves once, after the loop, within the preemption grace
             do_save = bool(self.ckpt.every) and step % self.ckpt.every == 0 and step < cfg.steps
+            do_save = do_save and not reduction.stop
             do_log = step % self.logging.every == 0 or step == cfg.steps or do_eval
             stop_here = step == cfg.stop_at_step
             if do_log or do_eval or do_save or stop_here:
@@ -420,7 +498,10 @@ class Trainer:
                 stopped = "stop_at_step"
                 break
             if reduction.stop:
-                log.warning(f"SIGTERM: stopping after step {step}")
+                why = self.stop.reason or "another rank's SIGTERM or launcher loss"
+                log.warning(
+                    f"SIGTERM: stopping after step {step} ({why}); saving, exit code {EXIT_PREEMPTED}"
+                )
                 stopped = "sigterm"
                 break
         if self.clock.measured_steps == 0:  # every step was a warm-up step
@@ -435,7 +516,7 @@ class Trainer:
             if self.last_eval:
                 log.info("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items()))
                 self._write_record({"step": self.state.step, **self.last_eval})
-        if self.state.step != self._last_saved:
+        if self.state.step != self._last_saved and self._save_fits(stopped):
             self.save()
         return {**perf, **self.clock.breakdown(), "measured_steps": self.clock.measured_steps,
                 "stopped": stopped}  # fmt: skip
