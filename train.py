@@ -19,6 +19,7 @@ from common.log import get_logger
 from training.config import Config, gradient_accumulation, load_config
 
 log = get_logger("train")
+EXIT_COLLECTIVE_TIMEOUT = 4  # a collective timed out: a peer is hung or gone (not a preemption: 3)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -182,6 +183,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         if local_rank == 0:  # every rank raises the same error: one line per node, in each node's log
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
+    except RuntimeError as e:  # torch.distributed's DistBackendError included
+        if "timed out" not in str(e).lower():
+            raise
+        first = str(e).strip().splitlines()[0][-160:]
+        rank = os.environ.get("RANK", "0")
+        print(
+            f"error: rank {rank}: a collective timed out (deepspeed.timeout_s): another rank is hung or gone;"
+            f" the job ends here and resumes from its last checkpoint ({first})",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(EXIT_COLLECTIVE_TIMEOUT)  # no teardown: it would wait on the peer that is not answering
     finally:
         import torch.distributed as dist
 
