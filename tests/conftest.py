@@ -94,3 +94,15 @@ def bpe(wiki_text_dir: Path, tmp_path_factory) -> Path:
     from data.vocab import train_bpe
 
     return train_bpe(wiki_text_dir, tmp_path_factory.mktemp("bpe") / "tokenizer.json", 2000)
+
+
+@pytest.fixture
+def logs(caplog):
+    """Records of the application's logger (which does not propagate to the root logger caplog watches)."""
+    import logging
+
+    logger = logging.getLogger("wikipretrain")
+    logger.addHandler(caplog.handler)
+    caplog.set_level(logging.INFO, logger="wikipretrain")
+    yield caplog
+    logger.removeHandler(caplog.handler)

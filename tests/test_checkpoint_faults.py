@@ -8,7 +8,6 @@ test_train_twonode.py.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import subprocess
@@ -32,16 +31,6 @@ def ckpt(straight_run, tmp_path) -> Path:  # noqa: F811
     return tmp_path / "run" / "checkpoints"
 
 
-@pytest.fixture
-def warned(caplog):
-    """The project's warnings (its loggers do not propagate to the root logger that caplog watches)."""
-    logger = logging.getLogger("wikipretrain")
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.WARNING, logger="wikipretrain")
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
 def decide(ckpt_dir: Path, optimizer: str = "lans", resume: str = "auto") -> checkpoint.ResumePoint | None:
     return checkpoint.find_resume(
         CheckpointSection(resume=resume), ckpt_dir, world=2, global_batch=16, steps=100, optimizer=optimizer
@@ -62,11 +51,11 @@ def test_commit_records_every_file(ckpt: Path) -> None:
     assert decide(ckpt).tag == "step00000008"
 
 
-def test_latest_garbage_or_outside_the_directory(ckpt: Path, tmp_path: Path, warned) -> None:
+def test_latest_garbage_or_outside_the_directory(ckpt: Path, tmp_path: Path, logs) -> None:
     (ckpt / "latest").write_bytes(b"\x89\xff\x00garbage\xfe")
     point = decide(ckpt)
     assert point.tag == "step00000008" and point.ckpt_dir == ckpt
-    assert "not a checkpoint tag of this directory" in warned.text and str(ckpt / "latest") in warned.text
+    assert "not a checkpoint tag of this directory" in logs.text and str(ckpt / "latest") in logs.text
     # another run's checkpoint named through a relative path: never followed
     other = tmp_path / "other-run" / "checkpoints"
     shutil.copytree(ckpt, other)
@@ -76,15 +65,15 @@ def test_latest_garbage_or_outside_the_directory(ckpt: Path, tmp_path: Path, war
     assert point.ckpt_dir == ckpt and point.tag == "step00000004"
 
 
-def test_damaged_newest_tag_falls_back_with_a_warning(ckpt: Path, warned) -> None:
+def test_damaged_newest_tag_falls_back_with_a_warning(ckpt: Path, logs) -> None:
     model = next((ckpt / "step00000008").glob("*model_states.pt"))
     with open(model, "r+b") as f:
         f.truncate(model.stat().st_size // 2)
     point = decide(ckpt)
     assert point.tag == "step00000004"
     assert (
-        f"{model} has" in warned.text
-        and "resuming from step00000004 instead of the damaged step00000008" in (warned.text)
+        f"{model} has" in logs.text
+        and "resuming from step00000004 instead of the damaged step00000008" in (logs.text)
     )
     # an explicitly chosen damaged tag is refused, not replaced
     with pytest.raises(

@@ -26,25 +26,16 @@ from tests.test_data_gpt import data_cli, expect_error
 from tests.test_loader import NAMES, batch_keys, file_keys
 
 
+def bert_args(text: Path, vocab: Path, out: Path, *, shards: int, dupe: int) -> list[str]:
+    """`python -m data bert` arguments for the enwiki sample text."""
+    return ["bert", "--text", str(text), "--vocab", str(vocab), "--out", str(out), "--shards", str(shards),
+            "--dupe-factor", str(dupe), "--no-progress"]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def bert(wiki_text_dir: Path, wiki_vocab: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("manifest") / "bert"
-    data_cli(
-        "bert",
-        "--text",
-        str(wiki_text_dir),
-        "--vocab",
-        str(wiki_vocab),
-        "--out",
-        str(out),
-        "--shards",
-        "6",
-        "--dupe-factor",
-        "1",
-        "--workers",
-        "2",
-        "--no-progress",
-    )
+    data_cli(*bert_args(wiki_text_dir, wiki_vocab, out, shards=6, dupe=1), "--workers", "2")
     return out
 
 
@@ -100,23 +91,7 @@ def test_interrupted_writer_is_refused(
     directory holding finished shards and temporaries but no manifest."""
     out = tmp_path / "killed"
     p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "data",
-            "bert",
-            "--text",
-            str(wiki_text_dir),
-            "--vocab",
-            str(wiki_vocab),
-            "--out",
-            str(out),
-            "--shards",
-            "8",
-            "--dupe-factor",
-            "3",
-            "--no-progress",
-        ],
+        [sys.executable, "-m", "data", *bert_args(wiki_text_dir, wiki_vocab, out, shards=8, dupe=3)],
         cwd=REPO,
         env=run_env(),
         stdout=subprocess.DEVNULL,

@@ -28,16 +28,6 @@ from training.metrics import mfu
 
 
 @pytest.fixture
-def logs(caplog):
-    """Records of the application's logger (which does not propagate to the root logger caplog watches)."""
-    logger = logging.getLogger("wikipretrain")
-    logger.addHandler(caplog.handler)
-    caplog.set_level(logging.INFO, logger="wikipretrain")
-    yield caplog
-    logger.removeHandler(caplog.handler)
-
-
-@pytest.fixture
 def cache_home(tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     return tmp_path

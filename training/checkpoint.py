@@ -29,7 +29,6 @@ import random
 import re
 import secrets
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -249,12 +248,11 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
         fsync_tree(ckpt_dir / tag, rank)  # this rank's files are on disk before it votes to commit
     except (OSError, RuntimeError) as e:
         error = _describe_write_error(e, ckpt_dir)
-    votes = collectives.all_gather_object((error, socket.gethostname(), rank))  # also the commit barrier
-    failed = [(why, host, r) for why, host, r in votes if why]
+    failed = collectives.first_failure(error)  # the commit vote, also the commit barrier
     if failed:
         if rank == 0:  # the partial tag goes at once: its space is what a full disk lacks
             shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
-        why, host, r = failed[0]
+        why, host, r = failed
         previous = latest_complete(ckpt_dir)
         raise UserError(
             f"saving checkpoint {ckpt_dir / tag} failed on node {host} (rank {r}): {why}; nothing of it was "
@@ -496,12 +494,11 @@ def check_shared(ckpt_dir: Path) -> None:
             mine.unlink()
         except OSError as e:
             problem = f"cannot write in {ckpt_dir} ({e.strerror})"
-    reports = collectives.all_gather_object((problem, socket.gethostname(), collectives.rank()))
+    failure = collectives.first_failure(problem)
     if collectives.rank() == 0:
         probe.unlink(missing_ok=True)
-    bad = [(p, host, r) for p, host, r in reports if p]
-    if bad:
-        p, host, r = bad[0]
+    if failure:
+        p, host, r = failure
         raise UserError(
             f"checkpoint.dir {ckpt_dir} is not shared by every rank: node {host} (rank {r}) {p}. Checkpoints "
             "are committed by rank 0 and loaded by every rank, so every node must mount the same directory "
@@ -575,11 +572,9 @@ def find_resume(
     if status == "error":
         raise UserError(value)
     if value is not None:
-        problem = tag_problem(value.ckpt_dir, value.tag)
-        reports = collectives.all_gather_object((problem, socket.gethostname(), collectives.rank()))
-        bad = [(p, host, r) for p, host, r in reports if p]
-        if bad:
-            p, host, r = bad[0]
+        failure = collectives.first_failure(tag_problem(value.ckpt_dir, value.tag))
+        if failure:
+            p, host, r = failure
             raise UserError(
                 f"node {host} (rank {r}) cannot load {value.ckpt_dir / value.tag}: {p}. Every rank loads the "
                 "checkpoint rank 0 chose: put checkpoint.dir on storage every node mounts"

@@ -99,3 +99,12 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def first_failure(problem: str | None) -> tuple[str, str, int] | None:
+    """Every rank reports its problem (None: fine) in one all-gather; returns the first (problem, host, rank)
+    in rank order, the same on every rank, or None. Also a barrier."""
+    import socket
+
+    reports = all_gather_object((problem, socket.gethostname(), rank()))
+    return next(((p, host, r) for p, host, r in reports if p), None)
