@@ -19,7 +19,7 @@ from common.log import get_logger
 from training.config import Config, gradient_accumulation, load_config
 
 log = get_logger("train")
-EXIT_COLLECTIVE_TIMEOUT = 4  # a collective timed out: a peer is hung or gone (not a preemption: 3)
+EXIT_PEER_LOST = 4  # a collective timed out or lost its peer: a rank is hung or gone (not a preemption: 3)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -38,7 +38,7 @@ def run(cfg: Config) -> int:
     from model.registry import family_of, get_spec, spec_to_dict
     from training import checkpoint, collectives, devices
     from training import engine as ds_engine
-    from training.build import build_engine, open_data, scalar_attrs, seed_everything
+    from training.build import build_engine, check_run_dir, open_data, scalar_attrs, seed_everything
     from training.metrics import RunSummary, config_fingerprint
     from training.trainer import (
         Trainer,
@@ -55,6 +55,7 @@ def run(cfg: Config) -> int:
     run_dir = Path(cfg.run.dir)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     family = family_of(get_spec(cfg.model.name))  # validates the name before any data is read
+    check_run_dir(run_dir)
     data = open_data(cfg, family, grad_accum, rank, world)
     spec = get_spec(cfg.model.name, vocab_size=cfg.model.vocab_size or data.attrs.get("vocab_size"),
                     dropout=cfg.model.dropout)  # fmt: skip
@@ -184,17 +185,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
     except RuntimeError as e:  # torch.distributed's DistBackendError included
-        if "timed out" not in str(e).lower():
+        from training.collectives import peer_lost
+
+        why = peer_lost(e)
+        if why is None:
             raise
         first = str(e).strip().splitlines()[0][-160:]
         rank = os.environ.get("RANK", "0")
         print(
-            f"error: rank {rank}: a collective timed out (deepspeed.timeout_s): another rank is hung or gone;"
-            f" the job ends here and resumes from its last checkpoint ({first})",
+            f"error: rank {rank}: {why}; the job ends here and resumes from its last checkpoint ({first})",
             file=sys.stderr,
             flush=True,
         )
-        os._exit(EXIT_COLLECTIVE_TIMEOUT)  # no teardown: it would wait on the peer that is not answering
+        os._exit(EXIT_PEER_LOST)  # no teardown: it would wait on the peer that is not answering
     finally:
         import torch.distributed as dist
 

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -278,34 +279,56 @@ def signal_running_job(bert_data, run_dir: Path, port: int, target: str, *extra:
     return proc.returncode, output
 
 
-def test_sigterm_to_the_launcher_saves(bert_data, tmp_path):
+@pytest.fixture(scope="module")
+def long_run(bert_data, tmp_path_factory) -> dict[int, float]:
+    """The uninterrupted losses of the signalled jobs' configuration (train.steps=10000), to step 14."""
+    run_dir = tmp_path_factory.mktemp("long") / "run"
+    res = deepspeed(common(bert_data, run_dir, "train.steps=10000", "train.stop_at_step=14"))
+    assert res.returncode == 3, res.stderr[-3000:]
+    return losses(run_dir)
+
+
+def assert_resume_repeats(bert_data, run_dir: Path, long_run: dict[int, float]) -> None:
+    """Resume a signalled job for two steps: its losses are those of the uninterrupted run, exactly."""
+    stopped = max(losses(run_dir))
+    assert f"step{stopped:08d}" == (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert stopped + 2 <= max(long_run), f"the job was stopped late, at step {stopped}"
+    res = deepspeed(common(bert_data, run_dir, "train.steps=10000", f"train.stop_at_step={stopped + 2}"))
+    assert res.returncode == 3, res.stderr[-3000:]
+    got = losses(run_dir)
+    assert [got[s] for s in (stopped + 1, stopped + 2)] == [long_run[s] for s in (stopped + 1, stopped + 2)]
+
+
+def test_sigterm_to_the_launcher_saves(bert_data, long_run, tmp_path):
     """The launcher passes SIGTERM to its whole process tree, DataLoader workers included: the workers outlive
-    it, the ranks finish the step and save (before, a worker died and the job ended with no checkpoint)."""
+    it, the ranks finish the step and save (before, a worker died and the job ended with no checkpoint). The
+    resumed job repeats the uninterrupted losses."""
     run_dir = tmp_path / "run"
     _, output = signal_running_job(bert_data, run_dir, 29700 + os.getpid() % 200, "launcher")
     assert "SIGTERM: stopping after step" in output and "DataLoader worker" not in output, output[-3000:]
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{max(losses(run_dir)):08d}"
+    assert_resume_repeats(bert_data, run_dir, long_run)
 
 
-def test_sigterm_to_the_process_group_saves(bert_data, tmp_path):
+def test_sigterm_to_the_process_group_saves(bert_data, long_run, tmp_path):
     """scancel's way: SIGTERM to every process of the job at once (runner, launcher, ranks, DataLoader
-    workers). The workers outlive it, the ranks save and exit 3. (That a resume from such a checkpoint repeats
-    the uninterrupted losses is test_resume_is_exact's.)"""
+    workers). The workers outlive it, the ranks save and exit 3; the resumed job repeats the uninterrupted
+    losses."""
     run_dir = tmp_path / "run"
     _, output = signal_running_job(bert_data, run_dir, 29300 + os.getpid() % 90, "group")
     assert "saving, exit code 3" in output and "DataLoader worker" not in output, output[-3000:]
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{max(losses(run_dir)):08d}"
+    assert_resume_repeats(bert_data, run_dir, long_run)
 
 
-def test_sigterm_to_the_deepspeed_command_alone_saves(bert_data, tmp_path):
+def test_sigterm_to_the_deepspeed_command_alone_saves(bert_data, long_run, tmp_path):
     """The ``deepspeed`` command passes no signal on when killed; its ranks notice their launcher is gone,
-    save and exit with code 3 instead of training on as orphans."""
+    save and exit with code 3 instead of training on as orphans. The resumed job repeats the uninterrupted
+    losses."""
     run_dir = tmp_path / "run"
     rc, output = signal_running_job(bert_data, run_dir, 29900 + os.getpid() % 90, "runner")
     assert rc == -signal.SIGTERM
     assert "is gone); saving, exit code 3" in output, output[-3000:]
     assert "exits with return code = 3" in output, output[-3000:]  # deepspeed.launcher.launch's report
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step{max(losses(run_dir)):08d}"
+    assert_resume_repeats(bert_data, run_dir, long_run)
 
 
 def test_sigterm_without_time_to_save_keeps_the_last_checkpoint(bert_data, tmp_path):
@@ -352,6 +375,73 @@ def test_disk_full_during_a_save_fails_cleanly(bert_data, tmp_path):
         subprocess.run(["umount", str(ckpt)], check=True)
 
 
+@pytest.mark.parametrize("which", ["run.dir", "checkpoint.dir"])
+def test_read_only_directories_are_refused_at_start(bert_data, tmp_path, which):
+    """run.dir (or checkpoint.dir, the other one writable elsewhere) on a read-only mount: every rank stops
+    before building anything, with one line naming the directory; nothing is written."""
+    if os.geteuid() != 0:
+        pytest.skip("a read-only mount needs root (CI runs as root; root ignores file modes)")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        run_dir, ckpt = (ro, tmp_path / "ckpt") if which == "run.dir" else (tmp_path / "run", ro)
+        t0 = time.time()
+        res = deepspeed(common(bert_data, run_dir, f"checkpoint.dir={ckpt}"))
+        took = time.time() - t0
+        errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+        assert res.returncode != 0 and len(errors) == 1, res.stderr[-3000:]
+        assert "Traceback" not in res.stderr and "Read-only file system" in errors[0], errors
+        want = f"run.dir {ro} is not writable" if which == "run.dir" else f"{ro}: cannot write checkpoints"
+        assert want in errors[0], errors
+        assert list(ro.iterdir()) == []
+        print(f"{which} read-only: refused in {took:.1f} s (launch included)")
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+def test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit(bert_data, tmp_path):
+    """SIGKILL one rank while the job saves at every step: every process of the job is gone within 30 s, the
+    checkpoint ``latest`` names is complete and whole, and a restart resumes from it."""
+    from training.checkpoint import read_latest, tag_problem
+
+    run_dir = tmp_path / "run"
+    args = common(bert_data, run_dir, "train.steps=10000", "checkpoint.every=1", "train.eval_every=0")
+    cmd = [*launcher(2, port=29100 + os.getpid() % 100), "train.py", *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    family: list = []
+    try:
+        deadline = time.time() + 180
+        while not ((run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 3):
+            assert time.time() < deadline and proc.poll() is None, "training did not start"
+            time.sleep(0.2)
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        launch = [p for p in family if "deepspeed.launcher.launch" in " ".join(p.cmdline())]
+        ranks = [p for p in launch[0].children() if "train.py" in " ".join(p.cmdline())]
+        assert len(ranks) == 2, ranks
+        t0 = time.time()
+        ranks[1].kill()
+        gone, alive = psutil.wait_procs(family, timeout=60)
+        took = time.time() - t0
+        output, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not alive and took < 30, f"{len(alive)} processes left after {took:.0f} s\n{output[-3000:]}"
+    print(f"every process of the job exited {took:.1f} s after the kill")
+    errors = [ln for ln in output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "error: rank 0: another rank is gone" in errors[0], output[-3000:]
+    assert "Traceback" not in output
+    ckpt = run_dir / "checkpoints"
+    tag = read_latest(ckpt)
+    assert tag is not None and tag_problem(ckpt, tag) is None, tag
+    step = int(tag.removeprefix("step"))
+    res = deepspeed(common(bert_data, run_dir, "train.steps=10000", f"train.stop_at_step={step + 1}"))
+    assert res.returncode == 3, res.stderr[-3000:]
+    assert f"resumed from {ckpt / tag} at step {step}" in res.stderr
+
+
 def test_a_hung_rank_ends_the_job_within_the_timeout(bert_data, tmp_path):
     """SIGSTOP one rank mid-run with deepspeed.timeout_s=20: the other rank leaves its collective (ZeRO-2's
     groups included) within the timeout, and the launcher ends the job."""
@@ -394,14 +484,13 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(bert_data, tmp_path):
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), "ranks left running"
 
 
-def test_sigterm_saves_and_exits_with_distinct_code(bert_data, tmp_path):
+def test_sigterm_saves_and_exits_with_distinct_code(bert_data, long_run, tmp_path):
     run_dir = tmp_path / "run"
     # one rank is enough: the ranks agree to stop together
     rc, output = signal_running_job(bert_data, run_dir, 29600 + os.getpid() % 100, "rank1")
     assert rc == 3, output[-3000:]
-    tag = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert_resume_repeats(bert_data, run_dir, long_run)
     stopped_at = max(losses(run_dir))
-    assert tag == f"step{stopped_at:08d}"
     res = deepspeed(common(bert_data, run_dir, f"train.steps={stopped_at + 2}"))
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(losses(run_dir))[-2:] == [stopped_at + 1, stopped_at + 2]
@@ -417,7 +506,7 @@ def test_sigterm_saves_and_exits_with_distinct_code(bert_data, tmp_path):
     for step in (stopped_at + 1, stopped_at + 2):
         want = 2e-3 * warmup_constant_decay(step, total_steps=total, warmup=0.05, constant=0.25)
         assert rows[step]["lr"] == pytest.approx(want), step
-    assert rows[stopped_at + 1]["attempt"] == 2
+    assert rows[stopped_at + 1]["attempt"] == 3
 
 
 def test_wandb_offline(bert_data, tmp_path):
@@ -477,6 +566,44 @@ def test_neox_trains_and_reports_perplexity(gpt_data, tmp_path):
     assert summary["eval_perplexity"] < 4000  # better than uniform over the 4000-entry vocabulary
     first, last = losses(run_dir)[1], losses(run_dir)[6]
     assert last < first
+
+
+def test_zero3_builds_partitioned_trains_resumes_and_exports(gpt_data, tmp_path):
+    """ZeRO-3 builds the model under zero.Init (each rank holds half of it from the start), trains, resumes
+    exactly from an earlier checkpoint and exports the whole model."""
+    run_dir, again = tmp_path / "run", tmp_path / "again"
+    args = [
+        "--config", "smoke", "model.name=neox-debug", f"data.train={gpt_data['train']}",
+        f"data.eval={gpt_data['eval']}", f"data.vocab={gpt_data['vocab']}", "data.seq_len=128",
+        "optimizer.name=adamw", "optimizer.lr=1e-3", "deepspeed.zero_stage=3", "train.steps=6",
+        "train.global_batch=8", "train.micro_batch=2", "train.eval_every=0", "train.eval_samples=32",
+        "logging.every=1", "checkpoint.every=3", "train.deterministic=true",
+    ]  # fmt: skip
+    res = deepspeed([*args, f"run.dir={run_dir}"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    held = re.search(r"built under zero.Init: this rank holds ([0-9,]+) of ([0-9,]+) parameters", res.stderr)
+    assert held, res.stderr[-3000:]
+    mine, whole = (int(x.replace(",", "")) for x in held.groups())
+    assert whole > 1_000_000 and whole / 2 <= mine < whole / 2 + 1000  # half, rounded up per tensor
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["zero_stage"] == 3 and summary["steps"] == 6
+    # resume from step 3 of a copy of the run: steps 4-6 repeat exactly
+    shutil.copytree(run_dir, again)
+    shutil.rmtree(again / "checkpoints" / "step00000006")
+    (again / "checkpoints" / "latest").write_text("step00000003")
+    (again / "metrics.jsonl").unlink()
+    res = deepspeed([*args, f"run.dir={again}"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"resumed from {again / 'checkpoints' / 'step00000003'} at step 3" in res.stderr
+    a, b = losses(run_dir), losses(again)
+    assert sorted(b) == [4, 5, 6] and [b[s] for s in (4, 5, 6)] == [a[s] for s in (4, 5, 6)]
+    out = tmp_path / "hf"
+    cmd = [sys.executable, "-m", "training", "export", str(run_dir / "checkpoints"), "--out", str(out)]
+    exp = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert exp.returncode == 0, exp.stderr[-3000:]
+    from transformers import AutoModelForCausalLM
+
+    assert sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(out).parameters()) == whole
 
 
 def test_phase2_starts_from_phase1_weights_with_fresh_schedule(bert_data, straight_run, tmp_path):

@@ -23,6 +23,27 @@ from training.config import Config, DataSection, TrainSection
 log = get_logger("train")
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """At start-up, on every rank: ``run_dir`` can be created and written (rank 0 writes the config, metrics
+    and summary there, every rank its replica digest). Otherwise every rank raises the same one-line error
+    naming the first node that failed, before anything is built."""
+    from training import collectives
+
+    problem = None
+    probe = run_dir / f".probe-rank{collectives.rank()}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_text("probe")
+        probe.unlink()
+    except OSError as e:
+        problem = e.strerror or type(e).__name__
+    failure = collectives.first_failure(problem)
+    if failure:
+        why, host, rank = failure
+        raise UserError(f"run.dir {run_dir} is not writable on node {host} (rank {rank}): {why}; give a "
+                        "writable run.dir")  # fmt: skip
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -118,12 +139,17 @@ def build_engine(cfg: Config, spec, ds_config: dict[str, Any], rank: int):
     from model.build import build_model
     from training.lans import attach_zero, build_optimizer, param_groups
     from training.schedules import build_scheduler
+    from training.zero_init import build_partitioned, local_numel
 
     log.info(f"building {spec.name} and its optimizer")
     seed_everything(cfg.train.seed)  # same initial weights on every rank
-    model = build_model(
-        spec, attention=cfg.model.attention, activation_checkpointing=cfg.model.activation_checkpointing
-    )
+    attention, ckpt = cfg.model.attention, cfg.model.activation_checkpointing
+    if ds_config["zero_optimization"]["stage"] == 3:  # each rank holds only its partition
+        model = build_partitioned(spec, ds_config, attention=attention, activation_checkpointing=ckpt)
+        held, whole = local_numel(model)
+        log.info(f"built under zero.Init: this rank holds {held:,} of {whole:,} parameters")
+    else:
+        model = build_model(spec, attention=attention, activation_checkpointing=ckpt)
     seed_everything(cfg.train.seed + 1000 * rank)  # rank-specific dropout streams
     opt = cfg.optimizer
     optimizer = build_optimizer(

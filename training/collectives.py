@@ -101,6 +101,22 @@ def all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+# How torch.distributed's backends word a peer that stopped answering or went away (gloo, NCCL).
+_PEER_LOST = {
+    "timed out": "a collective timed out (deepspeed.timeout_s): another rank is hung or gone",
+    "connection reset by peer": "another rank is gone (its connection was reset)",
+    "connection closed by peer": "another rank is gone (its connection was closed)",
+    "broken pipe": "another rank is gone (broken pipe)",
+    "remote process exited": "another rank is gone (its process exited)",
+}
+
+
+def peer_lost(error: BaseException) -> str | None:
+    """What a collective's error says about the peers, in words, or None when it is not about a peer."""
+    text = str(error).lower()
+    return next((why for key, why in _PEER_LOST.items() if key in text), None)
+
+
 def first_failure(problem: str | None) -> tuple[str, str, int] | None:
     """Every rank reports its problem (None: fine) in one all-gather; returns the first (problem, host, rank)
     in rank order, the same on every rank, or None. Also a barrier."""
