@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from common.atomic import atomic_path
+from training.engine import no_shm_all_reduce
 from training.lans import LAMB, LANS, attach_zero, param_groups
 from training.schedules import build_scheduler
 
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
+    no_shm_all_reduce()  # nothing left in /dev/shm
     deepspeed.init_distributed(dist_backend="gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     gas = args.global_batch // (args.micro_batch * world)

@@ -41,11 +41,13 @@ def main() -> int:
 
     from common.atomic import atomic_write_json
     from common.cluster import node_count
+    from training.engine import no_shm_all_reduce
     from training.metrics import RunSummary, config_fingerprint, throughput
 
     threads = int(cfg["run"].get("threads_per_rank", 1))
     torch.set_num_threads(threads)
     torch.manual_seed(0)
+    no_shm_all_reduce()  # nothing left in /dev/shm
     deepspeed.init_distributed(verbose=False)
     world, rank = dist.get_world_size(), dist.get_rank()
     t = cfg["train"]
