@@ -95,6 +95,20 @@ def test_other_optimizer_is_refused(ckpt: Path) -> None:
         decide(ckpt, optimizer="adamw")
 
 
+def test_newer_checkpoint_format_is_refused(ckpt: Path) -> None:
+    state = ckpt / "step00000008" / "client_state.json"
+    saved = json.loads(state.read_text())
+    assert saved["format"] == checkpoint.FORMAT  # what a save writes
+    state.write_text(json.dumps({**saved, "format": checkpoint.FORMAT + 1}))
+    newer = checkpoint.FORMAT + 1
+    with pytest.raises(UserError, match=rf"step00000008 was written in checkpoint format {newer}; "
+                       rf"this version reads format {checkpoint.FORMAT} and older"):  # fmt: skip
+        decide(ckpt)
+    del saved["format"]  # a checkpoint from before the field: format 1, still resumed
+    state.write_text(json.dumps(saved))
+    assert checkpoint.FORMAT > 1 or decide(ckpt).tag == "step00000008"
+
+
 def test_unwritable_checkpoint_dir_is_refused(tmp_path: Path) -> None:
     """A read-only run.dir: a read-only tmpfs mount as root (permissions do not bind root), else mode 0555."""
     ro = tmp_path / "ro"

@@ -49,6 +49,10 @@ log = get_logger("train")
 
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+# The layout of a tag as this code writes and reads it (client_state.json's keys, our files beside
+# DeepSpeed's).
+# Raise it when a change makes older code misread new checkpoints; older formats stay readable.
+FORMAT = 1
 TAG_RE = re.compile(r"^step\d{8}$")
 
 
@@ -244,7 +248,7 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
         with atomic_path(ckpt_dir / tag / f"rng_rank{rank}.pt") as tmp:
             torch.save(rng_state(), tmp)
         if rank == 0:
-            atomic_write_json(ckpt_dir / tag / "client_state.json", client_state)
+            atomic_write_json(ckpt_dir / tag / "client_state.json", {"format": FORMAT, **client_state})
         fsync_tree(ckpt_dir / tag, rank)  # this rank's files are on disk before it votes to commit
     except (OSError, RuntimeError) as e:
         error = _describe_write_error(e, ckpt_dir)
@@ -316,11 +320,19 @@ def _describe_write_error(e: BaseException, ckpt_dir: Path) -> str:
 
 
 def read_client_state(ckpt_dir: Path, tag: str) -> dict[str, Any]:
+    """A tag's client state; refuses one written in a newer checkpoint format than this code reads."""
     path = ckpt_dir / tag / "client_state.json"
     try:
-        return json.loads(path.read_text())
+        saved = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"{path}: unreadable checkpoint client state ({e})") from None
+    written = saved.get("format", 1)  # checkpoints from before the field are format 1
+    if not isinstance(written, int) or written > FORMAT:
+        raise UserError(
+            f"{ckpt_dir / tag} was written in checkpoint format {written}; this version reads format "
+            f"{FORMAT} and older: continue it with the version that wrote it"
+        )
+    return saved
 
 
 UNIVERSAL_PREFIX = "universal-"

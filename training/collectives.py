@@ -68,6 +68,19 @@ def reduced(tensor: torch.Tensor, op: str = "sum", *, group: Any = None) -> torc
     return moved.to(tensor.device)
 
 
+def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+    """Overwrite each tensor with rank ``src``'s, in place, wherever it lives (through the communication
+    device)."""
+    if not _active():
+        return
+    dev = comm_device()
+    for t in tensors:
+        moved = t.data if t.device.type == dev.type else t.data.to(dev)
+        dist.broadcast(moved, src=src)
+        if moved is not t.data:
+            t.data.copy_(moved)
+
+
 def all_reduce_values(values: Sequence[float], op: str = "sum", dtype=torch.float64) -> list[float]:
     """All-reduce a few Python numbers in one collective; a host read follows (use outside the hot loop)."""
     t = torch.tensor(list(values), dtype=dtype, device=comm_device())
@@ -102,8 +115,10 @@ def all_gather_object(obj: Any) -> list[Any]:
 
 
 # How torch.distributed's backends word a peer that stopped answering or went away (gloo, NCCL).
+_TIMED_OUT = "a collective timed out (deepspeed.timeout_s): another rank is hung or gone"
 _PEER_LOST = {
-    "timed out": "a collective timed out (deepspeed.timeout_s): another rank is hung or gone",
+    "timed out": _TIMED_OUT,
+    "collective operation timeout": _TIMED_OUT,  # NCCL's watchdog
     "connection reset by peer": "another rank is gone (its connection was reset)",
     "connection closed by peer": "another rank is gone (its connection was closed)",
     "broken pipe": "another rank is gone (broken pipe)",
@@ -112,8 +127,16 @@ _PEER_LOST = {
 
 
 def peer_lost(error: BaseException) -> str | None:
-    """What a collective's error says about the peers, in words, or None when it is not about a peer."""
+    """What a collective's error says about the peers, in words, or None when it is not about a peer.
+
+    Only errors of a started process group's backend count: a rendezvous that times out (a wrong
+    MASTER_ADDR, a node missing from the hostfile) is a launch problem, not a lost peer, and so is a device
+    error that happens to say "timed out"."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
     text = str(error).lower()
+    if not (isinstance(error, dist.DistError) or "gloo" in text or "nccl" in text):
+        return None
     return next((why for key, why in _PEER_LOST.items() if key in text), None)
 
 

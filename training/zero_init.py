@@ -7,9 +7,11 @@ bounded by its partition plus the largest single module.
 
 Weight initialisation follows ``transformers``: construction skips the throw-away ``torch.nn`` init, then
 each module's parameters are gathered, rank 0 applies the model's own ``_init_weights`` in the order
-``PreTrainedModel.initialize_weights`` uses, and the result is scattered back. The weights are thus exactly
-those of a model built without ZeRO-3 the same way (no ``torch.nn`` init, then ``initialize_weights``) on
-rank 0's generator state, on every rank.
+``PreTrainedModel.initialize_weights`` uses, and the result is scattered back; buffers (which
+``_init_weights`` may recompute) are then broadcast from rank 0. Every rank thus holds rank 0's weights. On
+the CPU they are exactly those of a model built whole the same way (no ``torch.nn`` init, then
+``initialize_weights``) from the same generator state; on an accelerator the parameters are initialised where
+they live, with its generator, so they follow the same distributions but are other draws.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from common.log import get_logger
+from training import collectives
 
 log = get_logger("train")
 
@@ -121,6 +124,7 @@ def initialise_gathered(hf: nn.Module) -> None:
 
     with torch.no_grad(), guard_torch_init_functions():
         walk(hf, hf._initialize_weights)
+        collectives.broadcast_(list(hf.buffers()))  # not partitioned, so not scattered by the gather
 
 
 def local_numel(model: nn.Module) -> tuple[int, int]:
