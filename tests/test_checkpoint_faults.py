@@ -95,17 +95,25 @@ def test_other_optimizer_is_refused(ckpt: Path) -> None:
         decide(ckpt, optimizer="adamw")
 
 
+def rewrite_client_state(tag: Path, saved: dict) -> None:
+    """Replace a tag's client state as a save would have written it (COMPLETE records its new size)."""
+    (tag / "client_state.json").write_text(json.dumps(saved))
+    record = json.loads((tag / checkpoint.COMPLETE).read_text())
+    record["files"]["client_state.json"] = (tag / "client_state.json").stat().st_size
+    (tag / checkpoint.COMPLETE).write_text(json.dumps(record))
+
+
 def test_newer_checkpoint_format_is_refused(ckpt: Path) -> None:
-    state = ckpt / "step00000008" / "client_state.json"
-    saved = json.loads(state.read_text())
+    tag = ckpt / "step00000008"
+    saved = json.loads((tag / "client_state.json").read_text())
     assert saved["format"] == checkpoint.FORMAT  # what a save writes
-    state.write_text(json.dumps({**saved, "format": checkpoint.FORMAT + 1}))
+    rewrite_client_state(tag, {**saved, "format": checkpoint.FORMAT + 1})
     newer = checkpoint.FORMAT + 1
     with pytest.raises(UserError, match=rf"step00000008 was written in checkpoint format {newer}; "
                        rf"this version reads format {checkpoint.FORMAT} and older"):  # fmt: skip
         decide(ckpt)
     del saved["format"]  # a checkpoint from before the field: format 1, still resumed
-    state.write_text(json.dumps(saved))
+    rewrite_client_state(tag, saved)
     assert checkpoint.FORMAT > 1 or decide(ckpt).tag == "step00000008"
 
 
