@@ -75,10 +75,11 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         return
     dev = comm_device()
     for t in tensors:
-        moved = t.data if t.device.type == dev.type else t.data.to(dev)
+        local = t.data  # a new view at every access: held once, so that the identity test below means it
+        moved = local if local.device.type == dev.type else local.to(dev)
         dist.broadcast(moved, src=src)
-        if moved is not t.data:
-            t.data.copy_(moved)
+        if moved is not local:
+            local.copy_(moved)
 
 
 def all_reduce_values(values: Sequence[float], op: str = "sum", dtype=torch.float64) -> list[float]:

@@ -25,10 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common.log import get_logger
 from training import collectives
-
-log = get_logger("train")
 
 
 def build_partitioned(spec: Any, ds_config: dict[str, Any], **build_kwargs: Any) -> nn.Module:
@@ -109,7 +106,7 @@ def initialise_gathered(hf: nn.Module) -> None:
     from transformers import PreTrainedModel
     from transformers.initialization import guard_torch_init_functions
 
-    rank = deepspeed.comm.get_rank()
+    rank = collectives.rank()
 
     def walk(module: nn.Module, init) -> None:
         for child in module.children():
