@@ -244,18 +244,32 @@ def _process_chunk(
     return [process_article(title, text, min_chars, keep_disambiguation) for title, text in chunk]
 
 
-def _bounded_ordered_map(pool: Any, fn: Callable, items: Iterable, max_pending: int) -> Iterator:
+class _BoundedOrderedMap:
     """Like ``pool.imap`` but never reads more than ``max_pending`` items ahead of the consumer.
 
     (``Pool.imap`` drains its input iterator eagerly, which would pull a whole dump into memory.)
+    ``settle()`` waits for the work already handed out: ``Pool.terminate()`` can hang for good while
+    the pool's task thread is still writing a chunk (larger than a pipe buffer) to workers it has just
+    killed (CPython issue 78178). Once every submitted chunk has been taken by a worker, none is being
+    written.
     """
-    pending: deque = deque()
-    for item in items:
-        pending.append(pool.apply_async(fn, (item,)))
-        if len(pending) >= max_pending:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+
+    def __init__(self, pool: Any, fn: Callable, max_pending: int) -> None:
+        self._pool, self._fn, self._max_pending = pool, fn, max_pending
+        self._pending: deque = deque()
+
+    def map(self, items: Iterable) -> Iterator:
+        for item in items:
+            self._pending.append(self._pool.apply_async(self._fn, (item,)))
+            if len(self._pending) >= self._max_pending:
+                yield self._pending.popleft().get()
+        while self._pending:
+            yield self._pending.popleft().get()
+
+    def settle(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self._pending:
+            self._pending.popleft().wait(max(0.0, deadline - time.monotonic()))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -336,6 +350,7 @@ def extract_dump(
     done_bytes = 0
     start = time.perf_counter()
     pool = None
+    ordered: _BoundedOrderedMap | None = None
     bar = None
     try:
         from tqdm import tqdm
@@ -383,7 +398,8 @@ def extract_dump(
             results: Iterator = map(work, chunks())
         else:
             pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker)
-            results = _bounded_ordered_map(pool, work, chunks(), max_pending=2 * workers)
+            ordered = _BoundedOrderedMap(pool, work, max_pending=2 * workers)
+            results = ordered.map(chunks())
 
         with contextlib.ExitStack() as stack:
             writers = [_ShardWriter(out_dir / f"wiki_{i:05d}.txt", stack) for i in range(shards)]
@@ -409,6 +425,9 @@ def extract_dump(
         remove_stale(out_dir, [r["file"] for r in shard_records], SHARD_PATTERN.match)
     except BaseException:
         if pool is not None:
+            if ordered is not None:
+                with contextlib.suppress(BaseException):  # a second Ctrl-C stops the wait, not the clean-up
+                    ordered.settle()
             pool.terminate()
             pool.join()
             pool = None
