@@ -36,7 +36,7 @@ def run(cfg: Config) -> int:
     from common.cluster import node_count
     from model.flops import training_flops_per_token
     from model.registry import family_of, get_spec, spec_to_dict
-    from training import checkpoint, collectives, devices
+    from training import checkpoint, collectives, devices, events
     from training import engine as ds_engine
     from training.build import build_engine, check_run_dir, open_data, scalar_attrs, seed_everything
     from training.metrics import RunSummary, config_fingerprint
@@ -117,7 +117,19 @@ def run(cfg: Config) -> int:
             )
             trainer.wandb_run = start_wandb(cfg, run_dir, resolved)
         startup_s = process_age_s()
+        if rank == 0:
+            events.record(run_dir, "start", attempt=trainer.attempt, rank=0, world_size=world,
+                          nodes=node_count(), step=trainer.state.step,
+                          resumed_from=point.tag if point else None,
+                          restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                          startup_s=round(startup_s, 3))  # fmt: skip
+            if point is not None and point.saved["world_size"] != world:
+                events.record(run_dir, "world_size_change", attempt=trainer.attempt, rank=0,
+                              previous=point.saved["world_size"], world_size=world)  # fmt: skip
         perf = trainer.train()
+        if rank == 0 and not perf["stopped"]:
+            events.record(run_dir, "finish", attempt=trainer.attempt, rank=0, step=trainer.state.step,
+                          samples=trainer.state.samples)  # fmt: skip
         if zero_stage < 3:  # replicas hold full parameters: they must agree bit for bit
             write_replica_digest(run_dir, engine.module, rank, world)
         peak_mem = collectives.all_reduce_values([float(peak_memory_bytes())], "max")[0]
@@ -133,7 +145,8 @@ def run(cfg: Config) -> int:
                 flops_per_token=flops, peak_flops_per_device=trainer.peak_flops, attempt=trainer.attempt,
                 peak_memory_bytes=int(peak_mem), startup_s=startup_s, final_loss=trainer.last_loss,
                 fingerprint=config_fingerprint({**resolved, "threads_per_rank": _threads()}), config=resolved,
-                evaluation=trainer.last_eval, wall_time_s=process_age_s(), **perf,
+                evaluation=trainer.last_eval, wall_time_s=process_age_s(),
+                goodput=events.goodput(events.read(run_dir)), **perf,
             )  # fmt: skip
             atomic_write_json(run_dir / "summary.json", summary.to_dict())
             keys = ("model", "world_size", "steps", "sequences_per_sec", "tokens_per_sec", "mfu")
@@ -169,6 +182,7 @@ def start_wandb(cfg: Config, run_dir: Path, resolved: dict):
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cfg: Config | None = None
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
@@ -183,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         if local_rank == 0:  # every rank raises the same error: one line per node, in each node's log
             print(f"error: {e}", file=sys.stderr, flush=True)
+        if cfg is not None and os.environ.get("RANK", "0") == "0":  # an elastic launcher must not retry it
+            from training import events
+
+            events.record(Path(cfg.run.dir), "user_error", rank=0, message=str(e))
         return EXIT_USER_ERROR
     except RuntimeError as e:  # torch.distributed's DistBackendError included
         from training.collectives import peer_lost
@@ -192,6 +210,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         first = str(e).strip().splitlines()[0][-160:]
         rank = os.environ.get("RANK", "0")
+        if cfg is not None:
+            from training import events
+
+            events.record(Path(cfg.run.dir), "failure", rank=int(rank), why=why)
         print(
             f"error: rank {rank}: {why}; the job ends here and resumes from its last checkpoint ({first})",
             file=sys.stderr,

@@ -1,4 +1,5 @@
-"""``python -m launch {env,hostfile,render,sweep,report,commbench,curve,bundle} ...``: scale-out command line.
+"""``python -m launch {env,hostfile,render,elastic,sweep,report,commbench,curve,bundle} ...``: scale-out
+command line.
 
 Under the DeepSpeed launcher, ``deepspeed --num_gpus 2 --module launch commbench ...`` runs
 ``python -m launch --local_rank=0 commbench ...`` in every rank: the top-level ``--local_rank`` is accepted
@@ -27,6 +28,10 @@ SUBCOMMANDS = {
     "render": (
         "launch.render",
         "render a Slurm sbatch script, an AWS Batch job definition or a deepspeed command",
+    ),
+    "elastic": (
+        "launch.elastic",
+        "train.py under torch's elastic agent: restarts after failures, shrinks and grows with the nodes",
     ),
     "sweep": ("launch.sweep", "run one configuration at several world sizes (scaling runs)"),
     "report": (

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_env
-from tests.netns import kill_namespace_processes, two_nodes, unavailable_reason
+from tests.netns import SUBNET, kill_namespace_processes, two_nodes, unavailable_reason
 from tests.test_train import bert_data, losses  # noqa: F401  (session fixture and helper)
 
 pytestmark = pytest.mark.slow
@@ -130,3 +130,55 @@ def test_two_node_training_then_node_failure_and_restart(bert_data, tmp_path):  
             assert f"checkpoint.dir {ckpt} is not shared by every rank: node" in errors[-1], errors
             assert "(rank 1) does not see" in errors[-1] and "node-local checkpoint directories" in errors[-1]
         assert sorted(p.name for p in ckpt.iterdir()) == before, "nothing written or removed"
+
+
+def start_elastic(node, args: list[str], log: Path, nodes: str = "1:2", restarts: int = 2):
+    """Node ``node``'s ``launch elastic``: the rendezvous is on node 0 (10.77.0.1)."""
+    env = {**run_env(), "GLOO_SOCKET_IFNAME": node.ifname}
+    argv = [sys.executable, "-m", "launch", "elastic", "--nodes", nodes, "--max-restarts", str(restarts),
+            "--rendezvous", f"{SUBNET}.1:{PORT + 7}", "--job-id", "elastic-test", "--last-call-s", "3",
+            "--local-addr", node.addr, "--", *args]  # fmt: skip
+    return subprocess.Popen(node.cmd(*argv), cwd=REPO, env=env, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT)  # fmt: skip
+
+
+def test_elastic_job_loses_a_node_and_finishes_on_the_other(bert_data, tmp_path):  # noqa: F811
+    """bert-debug (ZeRO-2, BF16, LANS) on 2 nodes under the elastic agent; node 1 dies mid-run; node 0 goes
+    on alone from the last checkpoint, nobody acting, and ends with exactly train.steps x global_batch
+    samples."""
+    from training import events
+
+    run_dir, steps = tmp_path / "run", 16
+    args = train_args(bert_data, run_dir, f"train.steps={steps}", "checkpoint.every=2",
+                      "deepspeed.timeout_s=20")  # fmt: skip
+    logs = [tmp_path / f"node{r}.log" for r in range(2)]
+    with two_nodes("e") as (n0, n1):
+        procs = [start_elastic(n, args, logs[r]) for r, n in enumerate((n0, n1))]
+        deadline = time.monotonic() + 240
+        while not (run_dir / "checkpoints" / "latest").exists() or max(losses(run_dir), default=0) < 5:
+            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()[-4000:]
+            time.sleep(0.3)
+        assert kill_namespace_processes(n1)
+        rc0 = wait(procs[:1], 300)[0]
+        wait(procs[1:], 10)
+    text = logs[0].read_text()
+    assert rc0 == 0, text[-5000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 1 and summary["steps"] == steps
+    assert summary["samples"] == steps * 16  # the global batch was kept: 4 x 2 x 2 on 2 nodes, 4 x 4 x 1 on 1
+    evs = events.read(run_dir)
+    kinds = [e["event"] for e in evs]
+    starts = [e for e in evs if e["event"] == "start"]
+    assert [s["world_size"] for s in starts] == [2, 1], kinds
+    assert starts[1]["restart"] == 1 and starts[1]["resumed_from"] is not None
+    assert any(e["event"] == "failure" for e in evs), kinds  # the survivor recorded the lost peer
+    change = next(e for e in evs if e["event"] == "world_size_change")
+    assert (change["previous"], change["world_size"]) == (2, 1)
+    resumed = starts[1]["step"]
+    assert resumed in [e["step"] for e in evs if e["event"] == "checkpoint" and e["time"] < starts[1]["time"]]
+    assert kinds[-1] == "finish" and evs[-1]["step"] == steps and evs[-1]["samples"] == steps * 16
+    g = events.goodput(evs)
+    assert g is not None and 0 < g["goodput"] < 1 and g["attempts"] == 2 and g["world_sizes"] == [2, 1]
+    assert len(g["failures"]) == 1 and g["failures"][0]["resumed_at_step"] == resumed
+    assert g["failures"][0]["restart_s"] > 0
+    assert summary["goodput"]["goodput"] == pytest.approx(g["goodput"], abs=0.05)

@@ -123,6 +123,10 @@ class RunSummary:
     throughput window) + ``train_window_s`` (the measured steps) + ``eval_s`` + ``save_s`` + ``log_s`` account
     for ``wall_time_s`` up to the few milliseconds spent writing this summary. Throughput, MFU and
     ``data_wait_fraction`` are over ``train_window_s`` only.
+
+    A run that restarted (``attempt`` > 1) reports throughput, MFU and the times above for its last start
+    only, at that start's ``world_size``; ``goodput`` (``training.events.goodput``: productive time over wall
+    time, the time each failure cost, checkpoint stalls, the world size of every start) covers all of them.
     """
 
     model: str
@@ -166,6 +170,7 @@ class RunSummary:
     tflops_per_device: float | None = None
     mfu: float | None = None
     data_wait_fraction: float | None = None
+    goodput: dict[str, Any] | None = None
     evaluation: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

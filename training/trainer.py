@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from common.log import get_logger
-from training import checkpoint, collectives
+from training import checkpoint, collectives, events
 from training.config import CheckpointSection, LoggingSection, TrainSection
 from training.metrics import mfu, tflops_per_device, throughput
 
@@ -443,6 +443,9 @@ class Trainer:
         self.clock.save_s += self.last_save_s
         self._last_saved = self.state.step
         log.info(f"saved checkpoint {self.ckpt_dir / tag}")
+        if collectives.rank() == 0:
+            events.record(self.run_dir, "checkpoint", attempt=self.attempt, rank=0, step=self.state.step,
+                          tag=tag, save_s=round(self.last_save_s, 4))  # fmt: skip
         return tag
 
     def _timed_eval(self) -> dict[str, float]:
@@ -499,6 +502,10 @@ class Trainer:
                 break
             if reduction.stop:
                 why = self.stop.reason or "another rank's SIGTERM or launcher loss"
+                if self.stop.reason:  # this rank's own signal or launcher: recorded by the rank that saw it
+                    kind = "preempted" if self.stop.reason == "SIGTERM" else "launcher_lost"
+                    events.record(self.run_dir, kind, attempt=self.attempt, rank=collectives.rank(),
+                                  step=step, why=self.stop.reason)  # fmt: skip
                 log.warning(
                     f"SIGTERM: stopping after step {step} ({why}); saving, exit code {EXIT_PREEMPTED}"
                 )

@@ -1,0 +1,136 @@
+"""``python -m launch elastic`` on one node (the two-node shrink is in test_train_twonode.py) and the goodput
+arithmetic of ``training.events``."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from common.net import free_port
+from tests.conftest import REPO, run_env
+from tests.test_train import bert_data  # noqa: F401  (session fixture)
+from training import events
+
+
+def elastic(run_dir: Path, data, *extra: str, restarts: int = 2, nodes: str = "1") -> list[str]:
+    return [
+        sys.executable, "-m", "launch", "elastic", "--nodes", nodes, "--max-restarts", str(restarts),
+        "--rendezvous", f"127.0.0.1:{free_port()}", "--last-call-s", "1", "--",
+        "--config", "smoke", f"run.dir={run_dir}", f"data.train={data['train']}", f"data.eval={data['eval']}",
+        f"data.vocab={data['vocab']}", "train.global_batch=8", "train.micro_batch=4", "logging.every=1",
+        "train.eval_every=0", "train.eval_samples=16", "checkpoint.every=2", "deepspeed.zero_stage=2", *extra,
+    ]  # fmt: skip
+
+
+def the_rank(agent_parent: psutil.Process, timeout: float = 180) -> psutil.Process:
+    """The train.py process the agent started (a grandchild of ``launch elastic``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in agent_parent.children(recursive=True):
+            try:
+                cmd = p.cmdline()
+            except psutil.Error:
+                continue
+            if any(a.endswith("train.py") for a in cmd) and "torch.distributed.run" not in cmd:
+                return p
+        time.sleep(0.2)
+    raise AssertionError("the agent started no rank")
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not any(e["event"] == "checkpoint" and e["step"] >= step for e in events.read(run_dir)):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.2)
+
+
+def test_preemption_is_not_restarted_and_a_spent_budget_ends_the_job(bert_data, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    # 1. SIGTERM reaches the rank alone (the agent is not told): the rank saves and exits 3, and the job ends
+    #    with 3 for the scheduler to requeue; the agent does not start it again in place.
+    proc = subprocess.Popen(elastic(run_dir, bert_data, "train.steps=400"), cwd=REPO, env=run_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    rank = the_rank(psutil.Process(proc.pid))
+    wait_for_step(run_dir, 2, proc)
+    rank.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out[-4000:]
+    assert out.strip().splitlines()[-1].startswith("launch elastic: rank 0 was preempted (SIGTERM) at step")
+    evs = events.read(run_dir)
+    assert [e["event"] for e in evs if e["event"] in ("start", "preempted")] == ["start", "preempted"]
+    saved = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
+    assert saved == next(e["step"] for e in evs if e["event"] == "preempted")  # it saved where it stopped
+
+    # 2. The requeued job resumes; its rank is killed and the budget is 0 restarts: one final line, exit 1.
+    argv = elastic(run_dir, bert_data, "train.steps=400", restarts=0)
+    proc = subprocess.Popen(argv, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    rank = the_rank(psutil.Process(proc.pid))
+    wait_for_step(run_dir, saved + 2, proc)
+    rank.kill()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out[-4000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("error: the job failed and the elastic agent's restart budget is spent "
+                           "(--max-restarts 0)"), last  # fmt: skip
+    starts = [e for e in events.read(run_dir) if e["event"] == "start"]
+    assert [s["step"] for s in starts] == [0, saved]  # one start per job: no restart in place
+
+
+def test_global_batch_that_cannot_be_kept_is_refused_before_the_start(bert_data, tmp_path):  # noqa: F811
+    # 8 = 4 x 2 on 1 node; on 2 nodes 4 x 1 x 2 = 8 fits, on 3 it cannot: refused, nothing started or written
+    r = subprocess.run(elastic(tmp_path / "run", bert_data, nodes="1:3"), cwd=REPO, env=run_env(),
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith("error: train.global_batch=8 cannot be kept on 3 node(s)"), r.stderr
+    assert not (tmp_path / "run").exists()
+    r = subprocess.run(elastic(tmp_path / "run", bert_data, "train.grad_accum=2", nodes="1:2"), cwd=REPO,
+                       env=run_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "train.grad_accum=2 is fixed" in r.stderr, r.stderr
+
+
+def _ev(kind: str, t: float, **kw) -> dict:
+    return {"event": kind, "time": t, **kw}
+
+
+def test_goodput_arithmetic() -> None:
+    # attempt 1: starts at 10 (launched at 0), saves step 2 at 20 (1 s stall) and step 4 at 30 (1 s), trains
+    # on to 38 and fails; attempt 2 starts at 50 from step 4, saves step 6 at 60 (1 s) and finishes at 62.
+    evs = [
+        _ev("start", 10, world_size=2, step=0, startup_s=10),
+        _ev("checkpoint", 20, step=2, save_s=1.0),
+        _ev("checkpoint", 30, step=4, save_s=1.0),
+        _ev("failure", 38, rank=0, why="another rank is gone"),
+        _ev("world_size_change", 49, previous=2, world_size=1),
+        _ev("start", 50, world_size=1, step=4, startup_s=5),
+        _ev("checkpoint", 60, step=6, save_s=1.0),
+        _ev("finish", 62, step=6, samples=48),
+    ]
+    g = events.goodput(evs)
+    assert g is not None
+    assert g["wall_s"] == 62  # from the first launch (10 - 10) to the last event
+    assert g["productive_s"] == pytest.approx((30 - 10 - 2) + (62 - 50 - 1))  # surviving steps, stalls out
+    assert g["goodput"] == pytest.approx(29 / 62)
+    assert g["checkpoint_stall_s"] == 3.0 and g["attempts"] == 2 and g["world_sizes"] == [2, 1]
+    (f,) = g["failures"]
+    assert f == {"attempt": 1, "why": "another rank is gone", "at_step": 4, "resumed_at_step": 4,
+                 "redone_s": 8.0, "restart_s": 12.0}  # fmt: skip
+    assert events.goodput([]) is None
+    assert events.read(Path("/nonexistent")) == []  # a run with no events file yet
+
+
+def test_events_file_round_trip_and_torn_line(tmp_path: Path) -> None:
+    events.record(tmp_path, "start", step=0, world_size=1, startup_s=1.0)
+    events.record(tmp_path, "finish", step=3, samples=24)
+    with open(tmp_path / events.EVENTS, "a") as f:
+        f.write('{"event": "checkpoi')
+    got = events.read(tmp_path)
+    assert [e["event"] for e in got] == ["start", "finish"] and got[1]["samples"] == 24
+    assert json.loads((tmp_path / events.EVENTS).read_text().splitlines()[0])["world_size"] == 1

@@ -1,0 +1,124 @@
+"""RUN_DIR/events.jsonl: what happened to a run, one JSON object per line, across every start of it.
+
+Kinds (each line also has ``time``, seconds since the epoch, ``rank`` and ``attempt`` where known):
+
+- ``start``: training begins (after start-up and any checkpoint load): ``world_size``, ``nodes``, ``step``
+  (where it resumes, 0 for a new run), ``resumed_from`` (a tag or null), ``restart`` (the elastic agent's
+  restart count, 0 for a first start), ``startup_s`` (process start to this line);
+- ``world_size_change``: the run resumes at another data-parallel world size: ``previous``, ``world_size``;
+- ``checkpoint``: a committed save: ``step``, ``tag``, ``save_s`` (the training stall it caused);
+- ``failure``: a rank found a peer gone or hung: ``why``;
+- ``preempted``: a rank received SIGTERM itself (a scheduler's preemption: the job ends, exit 3, and is not
+  restarted in place); ``launcher_lost``: a rank's launcher died (the rank stops as on SIGTERM);
+- ``user_error``: the job's input is wrong (exit 2; restarting cannot help): ``message``;
+- ``finish``: the run reached ``train.steps``: ``step``, ``samples``.
+
+Rank 0 writes the run's events; ``failure``, ``preempted`` and ``launcher_lost`` come from the rank that saw
+them, because rank 0 may be the one that is gone. Each line is one ``write`` to a file opened for appending,
+so lines from several ranks do not interleave. ``goodput`` reads the file back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+EVENTS = "events.jsonl"
+
+
+def record(run_dir: Path, kind: str, **fields: Any) -> None:
+    """Append one event; never raises (the run's own error is the one to report)."""
+    line = json.dumps({"event": kind, "time": time.time(), **fields}) + "\n"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def read(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's events in file order; a torn last line (a writer killed mid-write) is left out."""
+    path = run_dir / EVENTS
+    if not path.exists():
+        return []
+    out = []
+    for ln in path.read_text(encoding="utf-8").splitlines():
+        try:
+            ev = json.loads(ln)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(ev, dict) and "event" in ev and "time" in ev:
+            out.append(ev)
+    return out
+
+
+def goodput(events: list[dict[str, Any]], end_time: float | None = None) -> dict[str, Any] | None:
+    """Goodput of a run from its events: the time spent on steps that survive to the end, over wall time.
+
+    Convention:
+    - wall time runs from the first start's process launch (its ``start`` time less ``startup_s``) to the last
+      event (or ``end_time``);
+    - an attempt's surviving steps are those up to the step the next attempt resumed from (all of them for
+      the last attempt); the time spent on them runs from the attempt's ``start`` to the commit of that step,
+      less the checkpoint stalls in between, which are reported on their own;
+    - each failure's loss is split into re-done work (the attempt's time after its last surviving step) and
+      restart (from the attempt's last event to the next attempt's ``start``: detection, rendezvous, process
+      start, checkpoint load).
+
+    None when the events hold no start.
+    """
+    starts = [i for i, ev in enumerate(events) if ev["event"] == "start"]
+    if not starts:
+        return None
+    first = events[starts[0]]
+    t_begin = first["time"] - float(first.get("startup_s", 0.0))
+    t_end = end_time if end_time is not None else max(ev["time"] for ev in events)
+    useful = stall = 0.0
+    failures = []
+    bounds = [*starts, len(events)]
+    for a, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        start, body = events[lo], events[lo + 1 : hi]
+        nxt = events[hi] if hi < len(events) else None
+        saves = [ev for ev in body if ev["event"] == "checkpoint"]
+        if nxt is None:  # the last attempt: every step it trained survives
+            keep_until = max([start["time"], *(ev["time"] for ev in body)])
+            kept_saves = saves
+        else:
+            resume = int(nxt.get("step", 0))
+            kept = [ev for ev in saves if int(ev["step"]) <= resume]
+            keep_until = kept[-1]["time"] if kept and int(kept[-1]["step"]) > int(start.get("step", 0)) else (
+                start["time"])  # fmt: skip
+            kept_saves = [ev for ev in kept if int(ev["step"]) > int(start.get("step", 0))]
+        attempt_stall = sum(float(ev.get("save_s", 0.0)) for ev in kept_saves)
+        useful += max(0.0, keep_until - start["time"] - attempt_stall)
+        stall += sum(float(ev.get("save_s", 0.0)) for ev in saves)
+        if nxt is not None:
+            seen = [ev["time"] for ev in body if ev["event"] != "world_size_change"]  # the next start's
+            last_seen = max([start["time"], *seen])
+            why = next((ev.get("why") or ev["event"] for ev in body
+                        if ev["event"] in ("failure", "launcher_lost", "preempted")), "unknown")  # fmt: skip
+            failures.append({
+                "attempt": a + 1,
+                "why": why,
+                "at_step": max([int(start.get("step", 0)), *(int(ev["step"]) for ev in saves)]),
+                "resumed_at_step": int(nxt.get("step", 0)),
+                "redone_s": round(max(0.0, last_seen - keep_until), 3),
+                "restart_s": round(max(0.0, nxt["time"] - last_seen), 3),
+            })  # fmt: skip
+    wall = max(t_end - t_begin, 1e-9)
+    return {
+        "goodput": min(1.0, useful / wall),
+        "productive_s": round(useful, 3),
+        "wall_s": round(wall, 3),
+        "checkpoint_stall_s": round(stall, 3),
+        "attempts": len(starts),
+        "world_sizes": [events[i].get("world_size") for i in starts],
+        "failures": failures,
+    }
