@@ -14,8 +14,8 @@ restarts.
 
 This command adds what the agent cannot know, read from RUN_DIR/events.jsonl (training.events):
 
-- a preemption is not a failure: a rank that received SIGTERM saves and exits 3, and the job ends with code 3
-  for the scheduler to requeue (the agent alone would restart it in place);
+- a preemption is not a failure: SIGTERM to this command stops the ranks (they save) and the job ends with
+  code 3 for the scheduler to requeue (the agent alone would restart ranks that exit 3 in place);
 - bad input is not a failure: the job ends with code 2 at once instead of failing ``--max-restarts`` times;
 - a spent restart budget ends the job with one final line and exit 1;
 - the global batch must divide at every world size the job may shrink or grow to: checked before the start.
@@ -24,6 +24,7 @@ This command adds what the agent cannot know, read from RUN_DIR/events.jsonl (tr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -33,6 +34,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 from common.errors import EXIT_USER_ERROR, UserError
 from training import events
@@ -150,47 +153,61 @@ def _new_events(run_dir: Path, offset: int) -> tuple[list[dict], int]:
     return out, offset + len(whole)
 
 
-def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str) -> int:
-    """Run the agent; end it early on a preemption or bad input; map its outcome to our exit codes."""
+def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, grace_s: float = 120.0) -> int:
+    """Run the agent; end it early on bad input; map its outcome to our exit codes.
+
+    A signal to this process (the scheduler's preemption: Slurm signals every process of the step, AWS Batch
+    the container's first one) is passed to the agent once, which stops its ranks (they save) without a
+    restart, and the job ends with 3. A SIGTERM that reaches ranks alone comes from their agent (stopping them
+    for a restart, when nodes join) or is a failure of that rank: the agent restarts the job.
+    """
     path = run_dir / events.EVENTS
     offset = path.stat().st_size if path.exists() else 0
     signalled: list[int] = []
-    agent = subprocess.Popen(cmd, cwd=REPO, start_new_session=True)  # signals come through us
+    # A node that joins a later rendezvous round (one coming back) waits forever for the workers' store
+    # address if the agents share their rendezvous store with the workers: the others built it in their first
+    # round and never publish it again (torch 2.13, dynamic_rendezvous.next_rendezvous). Opt out of sharing.
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    agent = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)  # signals come through us, once
+    seen: dict[int, psutil.Process] = {}
 
     def forward(signum, frame) -> None:  # noqa: ARG001
+        if not signalled:  # a second signal would cut short the agent's wait for its ranks' saves
+            events.record(run_dir, "preempted", signal=signal.Signals(signum).name, host=socket.gethostname())
+            if agent.poll() is None:
+                agent.send_signal(signum)
         signalled.append(signum)
-        if agent.poll() is None:
-            agent.send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    ending: tuple[int, str] | None = None
-    started = False
+    user_error = started = False
+    last_scan = 0.0
     try:
         while agent.poll() is None:
             time.sleep(POLL_S)
+            if time.monotonic() - last_scan > 1.0:  # the ranks, to wait for if the agent is cut short
+                last_scan = time.monotonic()
+                with contextlib.suppress(psutil.Error):
+                    seen.update((c.pid, c) for c in psutil.Process(agent.pid).children(recursive=True))
             new, offset = _new_events(run_dir, offset)
             for ev in new:
                 started = started or ev.get("event") == "start"
-                if ending is None and ev.get("event") == "preempted":
-                    ending = (EXIT_PREEMPTED, f"rank {ev.get('rank')} was preempted (SIGTERM) at step "
-                              f"{ev.get('step')}: the job ends for the scheduler to requeue")  # fmt: skip
-                elif ending is None and ev.get("event") == "user_error":
-                    ending = (EXIT_USER_ERROR, "")  # train.py printed the one line already
-                if ending is not None and agent.poll() is None:
-                    agent.send_signal(signal.SIGTERM)  # the agent stops its ranks (they save first) and ends
+                if ev.get("event") == "user_error" and not user_error:
+                    user_error = True  # restarting cannot help: train.py printed the one line already
+                    if agent.poll() is None:
+                        agent.send_signal(signal.SIGTERM)
         rc = agent.wait()
+        psutil.wait_procs([p for p in seen.values() if p.is_running()], timeout=grace_s)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    if rc == 0 and ending is None:
+    if user_error:
+        return EXIT_USER_ERROR
+    if rc == 0:
         return 0
-    if ending is not None:
-        if ending[1]:
-            print(f"launch elastic: {ending[1]}", file=sys.stderr, flush=True)
-        return ending[0]
     if signalled:
-        print("launch elastic: stopped by a signal: the job ends for the scheduler to requeue",
-              file=sys.stderr)  # fmt: skip
+        name = signal.Signals(signalled[0]).name
+        print(f"launch elastic: {name}: the ranks stopped after saving; the job ends with code "
+              f"{EXIT_PREEMPTED} for the scheduler to requeue", file=sys.stderr, flush=True)  # fmt: skip
         return EXIT_PREEMPTED
     if not started:
         print(f"error: the elastic agent ended (exit code {rc}) before training started: see its lines above "
@@ -198,8 +215,7 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str) -
         return 1
     print(
         "error: the job failed and the elastic agent's restart budget is spent "
-        f"(--max-restarts {max_restarts}); "
-        f"the failures are in {path}",
+        f"(--max-restarts {max_restarts}); the failures are in {path}",
         file=sys.stderr,
         flush=True,
     )

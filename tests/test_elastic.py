@@ -53,20 +53,21 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 def test_preemption_is_not_restarted_and_a_spent_budget_ends_the_job(bert_data, tmp_path):  # noqa: F811
     run_dir = tmp_path / "run"
-    # 1. SIGTERM reaches the rank alone (the agent is not told): the rank saves and exits 3, and the job ends
-    #    with 3 for the scheduler to requeue; the agent does not start it again in place.
+    # 1. The scheduler's SIGTERM reaches `launch elastic`: the agent stops the rank, which saves and exits 3,
+    #    and the job ends with 3 for the scheduler to requeue; the agent does not start it again in place.
     proc = subprocess.Popen(elastic(run_dir, bert_data, "train.steps=400"), cwd=REPO, env=run_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    rank = the_rank(psutil.Process(proc.pid))
+    the_rank(psutil.Process(proc.pid))
     wait_for_step(run_dir, 2, proc)
-    rank.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 3, out[-4000:]
-    assert out.strip().splitlines()[-1].startswith("launch elastic: rank 0 was preempted (SIGTERM) at step")
+    assert out.strip().splitlines()[-1].startswith("launch elastic: SIGTERM: the ranks stopped after saving")
     evs = events.read(run_dir)
-    assert [e["event"] for e in evs if e["event"] in ("start", "preempted")] == ["start", "preempted"]
+    kinds = [e["event"] for e in evs if e["event"] in ("start", "sigterm", "preempted")]
+    assert kinds == ["start", "preempted", "sigterm"], kinds
     saved = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
-    assert saved == next(e["step"] for e in evs if e["event"] == "preempted")  # it saved where it stopped
+    assert saved == next(e["step"] for e in evs if e["event"] == "sigterm")  # it saved where it stopped
 
     # 2. The requeued job resumes; its rank is killed and the budget is 0 restarts: one final line, exit 1.
     argv = elastic(run_dir, bert_data, "train.steps=400", restarts=0)

@@ -142,43 +142,65 @@ def start_elastic(node, args: list[str], log: Path, nodes: str = "1:2", restarts
                             stderr=subprocess.STDOUT)  # fmt: skip
 
 
-def test_elastic_job_loses_a_node_and_finishes_on_the_other(bert_data, tmp_path):  # noqa: F811
-    """bert-debug (ZeRO-2, BF16, LANS) on 2 nodes under the elastic agent; node 1 dies mid-run; node 0 goes
-    on alone from the last checkpoint, nobody acting, and ends with exactly train.steps x global_batch
-    samples."""
+def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_path):  # noqa: F811
+    """bert-debug (ZeRO-2, BF16, LANS) on 2 nodes under the elastic agent. Node 1 dies mid-run: node 0 goes on
+    alone from the last checkpoint, nobody acting. Node 1 comes back: the job grows back to 2 nodes at a
+    restart. It ends with exactly train.steps x global_batch samples, and events.jsonl tells the story."""
     from training import events
 
-    run_dir, steps = tmp_path / "run", 16
+    run_dir, steps = tmp_path / "run", 30
     args = train_args(bert_data, run_dir, f"train.steps={steps}", "checkpoint.every=2",
                       "deepspeed.timeout_s=20")  # fmt: skip
-    logs = [tmp_path / f"node{r}.log" for r in range(2)]
+    logs = [tmp_path / f"node{r}.log" for r in range(2)] + [tmp_path / "node1-back.log"]
+
+    def starts() -> list[dict]:
+        return [e for e in events.read(run_dir) if e["event"] == "start"]
+
+    def wait_until(cond, procs: list[subprocess.Popen], what: str, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < deadline, f"{what}: " + logs[0].read_text()[-4000:]
+            assert all(p.poll() is None for p in procs), f"{what}: " + logs[0].read_text()[-4000:]
+            time.sleep(0.3)
+
     with two_nodes("e") as (n0, n1):
         procs = [start_elastic(n, args, logs[r]) for r, n in enumerate((n0, n1))]
-        deadline = time.monotonic() + 240
-        while not (run_dir / "checkpoints" / "latest").exists() or max(losses(run_dir), default=0) < 5:
-            assert time.monotonic() < deadline and procs[0].poll() is None, logs[0].read_text()[-4000:]
-            time.sleep(0.3)
+        metrics = run_dir / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and max(losses(run_dir), default=0) >= 5, procs, "step 5")
         assert kill_namespace_processes(n1)
-        rc0 = wait(procs[:1], 300)[0]
         wait(procs[1:], 10)
+
+        # node 0 restarts alone at world size 1; once it has saved there, node 1 comes back
+        def saved_alone() -> bool:
+            s = starts()
+            return len(s) == 2 and any(e["event"] == "checkpoint" and e["time"] > s[1]["time"]
+                                       for e in events.read(run_dir))  # fmt: skip
+
+        wait_until(saved_alone, procs[:1], "node 0 alone")
+        back = start_elastic(n1, args, logs[2])
+        rcs = wait([procs[0], back], 300)
     text = logs[0].read_text()
-    assert rc0 == 0, text[-5000:]
+    assert rcs == [0, 0], text[-5000:] + logs[2].read_text()[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["world_size"] == 1 and summary["steps"] == steps
+    assert summary["world_size"] == 2 and summary["steps"] == steps
     assert summary["samples"] == steps * 16  # the global batch was kept: 4 x 2 x 2 on 2 nodes, 4 x 4 x 1 on 1
     evs = events.read(run_dir)
     kinds = [e["event"] for e in evs]
-    starts = [e for e in evs if e["event"] == "start"]
-    assert [s["world_size"] for s in starts] == [2, 1], kinds
-    assert starts[1]["restart"] == 1 and starts[1]["resumed_from"] is not None
-    assert any(e["event"] == "failure" for e in evs), kinds  # the survivor recorded the lost peer
-    change = next(e for e in evs if e["event"] == "world_size_change")
-    assert (change["previous"], change["world_size"]) == (2, 1)
-    resumed = starts[1]["step"]
-    assert resumed in [e["step"] for e in evs if e["event"] == "checkpoint" and e["time"] < starts[1]["time"]]
+    first, alone, grown = starts()
+    assert [s["world_size"] for s in (first, alone, grown)] == [2, 1, 2], kinds
+    assert alone["restart"] == 1 and alone["resumed_from"] is not None  # a failure: one restart spent
+    failure = next(e for e in evs if e["event"] == "failure")  # the survivor recorded the lost peer
+    assert first["time"] < failure["time"] < alone["time"]
+    saves_before = [e["step"] for e in evs if e["event"] == "checkpoint" and e["time"] < alone["time"]]
+    assert alone["step"] == max(saves_before)  # resumed from the last committed checkpoint
+    # growing back: the agent stopped node 0's rank (SIGTERM: it saved where it stopped) and restarted on 2
+    stop = next(e for e in evs if e["event"] == "sigterm" and alone["time"] < e["time"] < grown["time"])
+    assert grown["step"] == stop["step"] and grown["resumed_from"] == f"step{stop['step']:08d}"
+    changes = [(e["previous"], e["world_size"]) for e in evs if e["event"] == "world_size_change"]
+    assert changes == [(2, 1), (1, 2)]
     assert kinds[-1] == "finish" and evs[-1]["step"] == steps and evs[-1]["samples"] == steps * 16
     g = events.goodput(evs)
-    assert g is not None and 0 < g["goodput"] < 1 and g["attempts"] == 2 and g["world_sizes"] == [2, 1]
-    assert len(g["failures"]) == 1 and g["failures"][0]["resumed_at_step"] == resumed
-    assert g["failures"][0]["restart_s"] > 0
+    assert g is not None and 0 < g["goodput"] < 1 and g["attempts"] == 3 and g["world_sizes"] == [2, 1, 2]
+    assert [f["resumed_at_step"] for f in g["failures"]] == [alone["step"], grown["step"]]
+    assert all(f["restart_s"] > 0 for f in g["failures"]) and g["failures"][1]["redone_s"] < 5
     assert summary["goodput"]["goodput"] == pytest.approx(g["goodput"], abs=0.05)

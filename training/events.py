@@ -8,14 +8,17 @@ Kinds (each line also has ``time``, seconds since the epoch, ``rank`` and ``atte
 - ``world_size_change``: the run resumes at another data-parallel world size: ``previous``, ``world_size``;
 - ``checkpoint``: a committed save: ``step``, ``tag``, ``save_s`` (the training stall it caused);
 - ``failure``: a rank found a peer gone or hung: ``why``;
-- ``preempted``: a rank received SIGTERM itself (a scheduler's preemption: the job ends, exit 3, and is not
-  restarted in place); ``launcher_lost``: a rank's launcher died (the rank stops as on SIGTERM);
+- ``sigterm``: a rank received SIGTERM (a scheduler's preemption, or its elastic agent stopping it for a
+  restart): it saves and exits 3; ``launcher_lost``: a rank's launcher died (the rank stops as on SIGTERM);
+- ``preempted``: ``launch elastic`` itself was signalled (``signal``, ``host``): the job ends with 3 for the
+  scheduler to requeue, and is not restarted in place;
 - ``user_error``: the job's input is wrong (exit 2; restarting cannot help): ``message``;
 - ``finish``: the run reached ``train.steps``: ``step``, ``samples``.
 
-Rank 0 writes the run's events; ``failure``, ``preempted`` and ``launcher_lost`` come from the rank that saw
-them, because rank 0 may be the one that is gone. Each line is one ``write`` to a file opened for appending,
-so lines from several ranks do not interleave. ``goodput`` reads the file back.
+Rank 0 writes the run's events; ``failure``, ``sigterm`` and ``launcher_lost`` come from the rank that saw
+them, because rank 0 may be the one that is gone, and ``preempted`` from each node's ``launch elastic``.
+Each line is one ``write`` to a file opened for appending, so lines from several ranks do not interleave.
+``goodput`` reads the file back.
 """
 
 from __future__ import annotations
@@ -102,8 +105,8 @@ def goodput(events: list[dict[str, Any]], end_time: float | None = None) -> dict
         if nxt is not None:
             seen = [ev["time"] for ev in body if ev["event"] != "world_size_change"]  # the next start's
             last_seen = max([start["time"], *seen])
-            why = next((ev.get("why") or ev["event"] for ev in body
-                        if ev["event"] in ("failure", "launcher_lost", "preempted")), "unknown")  # fmt: skip
+            ends = ("failure", "launcher_lost", "sigterm", "preempted")
+            why = next((ev.get("why") or ev["event"] for ev in body if ev["event"] in ends), "unknown")
             failures.append({
                 "attempt": a + 1,
                 "why": why,

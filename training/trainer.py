@@ -503,7 +503,7 @@ class Trainer:
             if reduction.stop:
                 why = self.stop.reason or "another rank's SIGTERM or launcher loss"
                 if self.stop.reason:  # this rank's own signal or launcher: recorded by the rank that saw it
-                    kind = "preempted" if self.stop.reason == "SIGTERM" else "launcher_lost"
+                    kind = "sigterm" if self.stop.reason == "SIGTERM" else "launcher_lost"
                     events.record(self.run_dir, kind, attempt=self.attempt, rank=collectives.rank(),
                                   step=step, why=self.stop.reason)  # fmt: skip
                 log.warning(
