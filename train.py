@@ -197,7 +197,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:
         if local_rank == 0:  # every rank raises the same error: one line per node, in each node's log
             print(f"error: {e}", file=sys.stderr, flush=True)
-        if cfg is not None and os.environ.get("RANK", "0") == "0":  # an elastic launcher must not retry it
+        under_agent = "TORCHELASTIC_RUN_ID" in os.environ  # launch elastic must not retry it: it reads this
+        if cfg is not None and under_agent and os.environ.get("RANK", "0") == "0":
             from training import events
 
             events.record(Path(cfg.run.dir), "user_error", rank=0, message=str(e))

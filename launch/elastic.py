@@ -153,8 +153,16 @@ def _new_events(run_dir: Path, offset: int) -> tuple[list[dict], int]:
     return out, offset + len(whole)
 
 
+def _kill_tree(pid: int) -> None:
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
 def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, grace_s: float = 120.0) -> int:
-    """Run the agent; end it early on bad input; map its outcome to our exit codes.
+    """Run the agent; end it at once on bad input; map its outcome to our exit codes.
 
     A signal to this process (the scheduler's preemption: Slurm signals every process of the step, AWS Batch
     the container's first one) is passed to the agent once, which stops its ranks (they save) without a
@@ -192,11 +200,13 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, g
             for ev in new:
                 started = started or ev.get("event") == "start"
                 if ev.get("event") == "user_error" and not user_error:
-                    user_error = True  # restarting cannot help: train.py printed the one line already
-                    if agent.poll() is None:
-                        agent.send_signal(signal.SIGTERM)
+                    # restarting cannot help, and there is nothing to save: train.py printed the one line
+                    # already, so end the agent and whatever it has started again without another word
+                    user_error = True
+                    _kill_tree(agent.pid)
         rc = agent.wait()
-        psutil.wait_procs([p for p in seen.values() if p.is_running()], timeout=grace_s)
+        if not user_error:
+            psutil.wait_procs([p for p in seen.values() if p.is_running()], timeout=grace_s)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

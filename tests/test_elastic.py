@@ -135,3 +135,15 @@ def test_events_file_round_trip_and_torn_line(tmp_path: Path) -> None:
     got = events.read(tmp_path)
     assert [e["event"] for e in got] == ["start", "finish"] and got[1]["samples"] == 24
     assert json.loads((tmp_path / events.EVENTS).read_text().splitlines()[0])["world_size"] == 1
+
+
+def test_bad_input_is_not_retried(bert_data, tmp_path):  # noqa: F811
+    # the data directory is missing: every start would fail the same way, so the job ends at the first, exit 2
+    argv = elastic(tmp_path / "run", bert_data, f"data.train={tmp_path / 'nope'}", restarts=3)
+    r = subprocess.run(argv, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "Traceback" not in out, out[-3000:]  # the agent is ended without its own report
+    line = f"error: data.train={tmp_path / 'nope'}: directory does not exist"
+    assert r.stderr.strip().splitlines() == [line], r.stderr[-3000:]
+    assert [e["event"] for e in events.read(tmp_path / "run")][0] == "user_error"
