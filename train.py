@@ -97,6 +97,7 @@ def run(cfg: Config) -> int:
         grad_accum=grad_accum, seq_len=cfg.data.seq_len, flops_per_token=flops,
         peak_flops=peak, run_dir=run_dir,
         ckpt_dir=ckpt_dir, client_static=client_static, attempt=next_attempt(run_dir, rank),
+        nodes=node_count(),
     )  # fmt: skip
     try:
         if point is not None:

@@ -268,6 +268,7 @@ def build_rows(
                 "is_baseline": base is not None and r is base,
                 "wall_time_s": wall,
                 "accelerator_hours": r.devices * float(wall) / 3600 if _positive_number(wall) else None,
+                **_goodput_cells(s.goodput),
             }
             if recipe is not None:
                 achieved = r.achieved_flops_per_device
@@ -284,6 +285,40 @@ def build_rows(
                 )
             rows.append(row)
     return rows
+
+
+def _goodput_cells(g: dict[str, Any] | None) -> dict[str, Any]:
+    """The goodput figures of a summary (training.events.goodput), flat for the table and the CSV."""
+    g = g or {}
+    failures = g.get("failures") or []
+    return {
+        "goodput": g.get("goodput"),
+        "starts": g.get("attempts"),
+        "world_sizes": " ".join(str(w) for w in g.get("world_sizes") or []) or None,
+        "restart_s": round(sum(float(f.get("restart_s", 0)) for f in failures), 3) if g else None,
+        "redone_s": round(sum(float(f.get("redone_s", 0)) for f in failures), 3) if g else None,
+        "checkpoint_stall_s": g.get("checkpoint_stall_s"),
+    }
+
+
+def goodput_markdown(rows: list[dict[str, Any]]) -> str:
+    """One line per run that has goodput figures: what its failures and checkpoints cost."""
+    lines = []
+    for row in rows:
+        if row.get("goodput") is None:
+            continue
+        lines.append(
+            f"- `{row['run']}`: goodput {row['goodput'] * 100:.1f}% over {row['starts']} start(s) at world "
+            f"size(s) {row['world_sizes']}; restarts {row['restart_s']:.1f} s, re-done steps "
+            f"{row['redone_s']:.1f} s, checkpoint stalls {row['checkpoint_stall_s']:.1f} s\n"
+        )
+    if not lines:
+        return ""
+    head = (
+        "Goodput: time on steps that survive to the end over wall time from the first launch (README, "
+        '"When nodes fail").\n\n'
+    )
+    return head + "".join(lines) + "\n"
 
 
 def markdown(rows: list[dict[str, Any]], recipe: Recipe | None = None, price: float | None = None) -> str:
@@ -351,6 +386,9 @@ def markdown(rows: list[dict[str, Any]], recipe: Recipe | None = None, price: fl
         if any(r.get("projected_hours") is None for r in rows):
             out.write(" n/a: the run's summary has no flops_per_token.")
         out.write("\n")
+    good = goodput_markdown(rows)
+    if good:
+        out.write(("\n" if out.tell() else "") + good)
     return out.getvalue()
 
 

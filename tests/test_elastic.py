@@ -147,3 +147,57 @@ def test_bad_input_is_not_retried(bert_data, tmp_path):  # noqa: F811
     line = f"error: data.train={tmp_path / 'nope'}: directory does not exist"
     assert r.stderr.strip().splitlines() == [line], r.stderr[-3000:]
     assert [e["event"] for e in events.read(tmp_path / "run")][0] == "user_error"
+
+
+def test_youngs_interval() -> None:
+    from training.checkpoint import young_interval
+
+    # C = 30 s, MTBF = 3 h: sqrt(2 x 30 x 10800) = 804.98 s; at 2 s a step, 402 steps, 402 s lost per failure
+    plan = young_interval(30.0, 2.0, 3 * 3600.0)
+    assert plan["interval_s"] == pytest.approx(804.984, abs=1e-3)
+    assert plan["steps"] == 402 and plan["expected_loss_s"] == pytest.approx(402.0)
+    assert young_interval(0.0, 100.0, 60.0)["steps"] == 1  # never below one step
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["checkpoint.every=auto"], "checkpoint.every=auto needs checkpoint.mtbf_hours > 0"),
+        (["checkpoint.every=auto", "checkpoint.mtbf_hours=0"], "needs checkpoint.mtbf_hours > 0 (one node"),
+        (["checkpoint.every=-2"], "checkpoint.every must be >= 0 or auto, got -2"),
+        (["checkpoint.every=often"], "checkpoint.every: expected int or 'auto', got 'often'"),
+    ],
+)
+def test_checkpoint_every_bad_values(overrides: list[str], message: str) -> None:
+    from common.errors import UserError
+    from training.config import load_config
+
+    with pytest.raises(UserError) as e:
+        load_config("smoke", overrides)
+    assert message in str(e.value)
+
+
+def test_checkpoint_every_auto_saves_at_youngs_interval(bert_data, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    data = bert_data
+    argv = [
+        sys.executable, "train.py", "--config", "smoke", f"run.dir={run_dir}", f"data.train={data['train']}",
+        f"data.eval={data['eval']}", f"data.vocab={data['vocab']}", "train.global_batch=8",
+        "train.micro_batch=4", "train.steps=14", "train.eval_every=0", "train.eval_samples=16",
+        "logging.warmup_steps=2", "checkpoint.every=auto", "checkpoint.mtbf_hours=0.01", "checkpoint.keep=20",
+    ]  # fmt: skip
+    r = subprocess.run(argv, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    evs = events.read(run_dir)
+    saves = [e["step"] for e in evs if e["event"] == "checkpoint"]
+    plans = [e for e in evs if e["event"] == "checkpoint_interval"]
+    assert saves[0] == 3  # right after the 2 warm-up steps: it measures the save cost
+    assert plans and plans[0]["step"] == 3 and plans[0]["job_mtbf_s"] == 36.0  # 0.01 h on one node
+    for plan in plans:  # each plan is Young's interval of what the run measured, and the next save keeps it
+        expect = (2 * plan["save_s"] * plan["job_mtbf_s"]) ** 0.5
+        assert plan["interval_s"] == pytest.approx(expect, rel=1e-3)
+        assert plan["every_steps"] == max(1, round(plan["interval_s"] / plan["step_s"]))
+        nxt = plan["step"] + plan["every_steps"]
+        assert nxt in saves or nxt >= 14, (plan, saves)
+    assert saves[-1] == 14  # the final save
+    assert "checkpoint.every=auto: save" in r.stderr and "expected loss per failure" in r.stderr

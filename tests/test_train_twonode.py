@@ -204,3 +204,9 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_pa
     assert [f["resumed_at_step"] for f in g["failures"]] == [alone["step"], grown["step"]]
     assert all(f["restart_s"] > 0 for f in g["failures"]) and g["failures"][1]["redone_s"] < 5
     assert summary["goodput"]["goodput"] == pytest.approx(g["goodput"], abs=0.05)
+    # launch report reads the same figures back
+    r = subprocess.run([sys.executable, "-m", "launch", "report", str(run_dir)], cwd=REPO, env=run_env(),
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith(f"- `{run_dir}`: goodput"))
+    assert f"goodput {g['goodput'] * 100:.1f}% over 3 start(s) at world size(s) 2 1 2" in line, line

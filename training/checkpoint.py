@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import random
 import re
@@ -213,6 +214,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
     device_state = state.get("accelerator", state.get("cuda"))  # "cuda": checkpoints before the abstraction
     if device_state is not None and acc.device_name() != "cpu":
         acc.set_rng_state(device_state)
+
+
+def young_interval(save_s: float, step_s: float, job_mtbf_s: float) -> dict[str, float]:
+    """Checkpoint interval from the failure rate: Young's first-order optimum sqrt(2 x C x MTBF).
+
+    ``save_s``: the training stall of one save (C); ``step_s``: one optimizer step; ``job_mtbf_s``: the job's
+    mean time between failures. Returns the interval in seconds and whole steps (at least 1) and the expected
+    loss per failure: half an interval of re-done work on average (restart and load come on top).
+    """
+    interval_s = math.sqrt(2.0 * max(save_s, 1e-6) * job_mtbf_s)
+    steps = max(1, int(round(interval_s / max(step_s, 1e-9))))
+    return {"interval_s": interval_s, "steps": steps, "expected_loss_s": steps * step_s / 2.0}
 
 
 def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: int) -> str:

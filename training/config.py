@@ -147,8 +147,13 @@ class DeepSpeedSection:
 class CheckpointSection:
     dir: str | None = None
     """Checkpoint directory (default RUN_DIR/checkpoints)."""
-    every: int = 0
-    """Save every K steps (0: only at the end)."""
+    every: int | Literal["auto"] = 0
+    """Save every K steps (0: only at the end), or ``auto``: Young's interval sqrt(2 x C x MTBF), C the save
+    cost measured in the run (a first save after the warm-up steps measures it) and MTBF the job's: one node's
+    ``mtbf_hours`` over the job's node count (independent failures). Recomputed after every save."""
+    mtbf_hours: float | None = None
+    """Mean time between failures of one node, in hours, for ``every: auto`` (the cluster's own records; a
+    2,048-node job that sees a failure every 3 h has one node's MTBF near 6,000 h)."""
     keep: int = 3
     """Keep the newest K complete checkpoints."""
     resume: str = "auto"
@@ -386,6 +391,14 @@ def validate(cfg: Config) -> None:
             f"without optimizer offload; got deepspeed.zero_stage={cfg.deepspeed.zero_stage}, "
             f"deepspeed.offload_optimizer={cfg.deepspeed.offload_optimizer}"
         )
+    every, mtbf = cfg.checkpoint.every, cfg.checkpoint.mtbf_hours
+    if every == "auto" and (mtbf is None or mtbf <= 0):
+        raise UserError(
+            "checkpoint.every=auto needs checkpoint.mtbf_hours > 0 (one node's mean time between failures, "
+            f"in hours), got {mtbf}"
+        )
+    if every != "auto" and every < 0:
+        raise UserError(f"checkpoint.every must be >= 0 or auto, got {every}")
     if cfg.checkpoint.keep < 1:
         raise UserError(f"checkpoint.keep must be at least 1, got {cfg.checkpoint.keep}")
     if cfg.train.global_batch % cfg.train.micro_batch:

@@ -243,6 +243,7 @@ class Trainer:
         client_static: dict[str, Any],
         eval_set=None,
         attempt: int = 1,
+        nodes: int = 1,
     ) -> None:
         self.engine = engine
         self.loader = loader
@@ -271,6 +272,40 @@ class Trainer:
         self.last_loss: float | None = None
         self.metrics_file = run_dir / "metrics.jsonl"
         self._last_saved = -1
+        self.nodes = nodes
+        self._auto_next: int | None = None  # checkpoint.every=auto: the step of the next save
+        self._auto_mark = (0.0, 0)  # (perf_counter, step) at the end of the newest save
+
+    def _save_due(self, step: int) -> bool:
+        every = self.ckpt.every
+        if every == "auto":
+            return self._auto_next is not None and step >= self._auto_next
+        return bool(every) and step % every == 0
+
+    def _plan_next_save(self, save_started: float) -> None:
+        """checkpoint.every=auto: Young's interval from this run's save cost and step time (every rank agrees
+        on the worst of them: a save is collective)."""
+        t_mark, s_mark = self._auto_mark
+        step = self.state.step
+        if step > s_mark and self.last_save_s is not None and self.ckpt.mtbf_hours:
+            local_step_s = (save_started - t_mark) / (step - s_mark)
+            save_s, step_s = collectives.all_reduce_values([self.last_save_s, local_step_s], "max")
+            job_mtbf_s = self.ckpt.mtbf_hours * 3600.0 / max(1, self.nodes)
+            plan = checkpoint.young_interval(save_s, step_s, job_mtbf_s)
+            self._auto_next = step + int(plan["steps"])
+            if self.rank == 0:
+                log.info(
+                    f"checkpoint.every=auto: save {save_s:.2f} s, step {step_s:.3f} s, job MTBF "
+                    f"{job_mtbf_s / 3600:.1f} h ({self.ckpt.mtbf_hours:g} h per node / {self.nodes} nodes): "
+                    f"every {int(plan['steps'])} steps ({plan['interval_s'] / 60:.1f} min); expected loss "
+                    f"per failure {plan['expected_loss_s'] / 60:.1f} min of re-done steps plus the restart"
+                )
+                events.record(self.run_dir, "checkpoint_interval", attempt=self.attempt, rank=0, step=step,
+                              every_steps=int(plan["steps"]), interval_s=round(plan["interval_s"], 3),
+                              save_s=round(save_s, 4), step_s=round(step_s, 4),
+                              job_mtbf_s=round(job_mtbf_s, 1),
+                              expected_loss_s=round(plan["expected_loss_s"], 3))  # fmt: skip
+        self._auto_mark = (time.perf_counter(), step)
 
     # ------------------------------------------------------------------ state
     def client_state(self) -> dict[str, Any]:
@@ -463,6 +498,9 @@ class Trainer:
         reduction = StepReduction(collectives.comm_device())
         stopped = ""
         t_loop = time.perf_counter()
+        if self.ckpt.every == "auto":  # a first save right after the warm-up measures the save cost
+            self._auto_next = start_step + self.clock.warmup_steps + 1
+            self._auto_mark = (t_loop, start_step)
         while self.state.step < cfg.steps:
             if not self.clock.running and self.state.step >= warm_until:
                 self.clock.open()
@@ -473,7 +511,7 @@ class Trainer:
                 self.clock.measured_steps += 1
             do_eval = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
             # a stopping run saves once, after the loop, within the preemption grace
-            do_save = bool(self.ckpt.every) and step % self.ckpt.every == 0 and step < cfg.steps
+            do_save = self._save_due(step) and step < cfg.steps
             do_save = do_save and not reduction.stop
             do_log = step % self.logging.every == 0 or step == cfg.steps or do_eval
             stop_here = step == cfg.stop_at_step
@@ -493,7 +531,10 @@ class Trainer:
                     self._console(record)
                     self.clock.log_s += time.perf_counter() - t0
                 if do_save:
+                    save_started = time.perf_counter()
                     self.save()
+                    if self.ckpt.every == "auto":
+                        self._plan_next_save(save_started)
                 if was_running:
                     self.clock.open()
             if stop_here:
