@@ -66,8 +66,20 @@ def render_slurm(args: argparse.Namespace) -> str:
             "PROFILE": q(args.profile),
             "MODE": q(args.mode),
             "MASTER_PORT": _positive("--master-port", args.master_port),
+            **_elastic_slots(args),
         },
     )
+
+
+def _elastic_slots(args: argparse.Namespace) -> dict[str, str]:
+    """--mode elastic: the node range and restart budget of `launch elastic` (checked here, at render)."""
+    nodes = int(_positive("--nodes", args.nodes))
+    low = args.min_nodes if args.min_nodes is not None else nodes
+    if not 1 <= low <= nodes:
+        raise UserError(f"--min-nodes must be between 1 and --nodes={nodes}, got {low}")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    return {"MIN_NODES": str(low), "MAX_RESTARTS": str(args.max_restarts)}
 
 
 def render_entrypoint(args: argparse.Namespace) -> str:
@@ -82,6 +94,8 @@ def render_entrypoint(args: argparse.Namespace) -> str:
             "GPUS_PER_NODE": _positive("--gpus-per-node", args.gpus_per_node),
             "MASTER_PORT": _positive("--master-port", args.master_port),
             "REGISTRATION_PORT": _positive("--registration-port", args.registration_port),
+            "MODE": "elastic" if args.mode == "elastic" else "deepspeed",
+            **_elastic_slots(args),
         },
     )
 
@@ -110,6 +124,15 @@ def render_awsbatch_jobdef(args: argparse.Namespace) -> dict[str, Any]:
         c["resourceRequirements"].append({"type": "VCPU", "value": str(args.vcpus)})
     if args.memory_mib:
         c["resourceRequirements"].append({"type": "MEMORY", "value": str(args.memory_mib)})
+    if args.mode == "elastic":  # the outer layer: a preempted job (exit 3) or a lost host runs again
+        jd["retryStrategy"] = {
+            "attempts": 3,
+            "evaluateOnExit": [
+                {"onExitCode": "3", "action": "RETRY"},
+                {"onStatusReason": "Host EC2*", "action": "RETRY"},
+                {"onReason": "*", "action": "EXIT"},
+            ],
+        }
     c["environment"] = [
         {"name": "WP_CONFIG", "value": args.config},
         {"name": "WP_PROFILE", "value": args.profile},
@@ -164,8 +187,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job-name", default="wikipretrain")
     parser.add_argument("--master-port", type=int, default=29500)
     parser.add_argument(
-        "--mode", choices=["ssh", "srun"], default="srun", help="slurm: ssh launcher or srun --no_ssh"
+        "--mode",
+        choices=["ssh", "srun", "elastic"],
+        default="srun",
+        help="slurm: ssh launcher, srun --no_ssh, or elastic (launch elastic per node, requeue on exit 3); "
+        "awsbatch: elastic, or else one deepspeed launcher per node",
     )
+    parser.add_argument("--min-nodes", type=int, default=None,
+                        help="elastic: the fewest nodes the job goes on with (default --nodes)")  # fmt: skip
+    parser.add_argument("--max-restarts", type=int, default=3, help="elastic: restarts after failures")
     parser.add_argument("--hostfile", default="hostfile", help="deepspeed: hostfile path")
     parser.add_argument("--image", default=None, help="awsbatch: container image URI")
     parser.add_argument(

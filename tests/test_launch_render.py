@@ -113,13 +113,14 @@ def test_awsbatch_job_definition_and_entrypoint(tmp_path: Path) -> None:
     assert subprocess.run(["bash", "-n", str(entry)]).returncode == 0
 
 
-def test_awsbatch_entrypoint_two_nodes_register_and_get_ranks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["srun", "elastic"])
+def test_awsbatch_entrypoint_two_nodes_register_and_get_ranks(tmp_path: Path, mode: str) -> None:
     """Run the rendered entrypoint on two "nodes" (loopback addresses), dry-run: real registration, printed
-    launch."""
+    launch (one deepspeed launcher per node, or `launch elastic` per node meeting on the main node)."""
     canary = tmp_path / "pwned"
     evil = EVIL.format(canary=canary)
     r = render(tmp_path, "awsbatch", "--config", evil, "--nodes", "2", "--image", "img", "--repo", str(REPO),
-               "--out", str(tmp_path / "jd.json"))  # fmt: skip
+               "--out", str(tmp_path / "jd.json"), "--mode", mode)  # fmt: skip
     assert r.returncode == 0, r.stderr
     entry = tmp_path / "awsbatch_entrypoint.sh"
     port = str(free_port())
@@ -139,10 +140,23 @@ def test_awsbatch_entrypoint_two_nodes_register_and_get_ranks(tmp_path: Path) ->
     assert [p.returncode for p in procs] == [0, 0], outs
     assert not canary.exists()
     for (stdout, _), rank in zip(outs, (1, 0)):
+        if mode == "elastic":
+            line = [ln for ln in stdout.splitlines() if ln.split()[1:4] == ["-m", "launch", "elastic"]]
+            assert len(line) == 1 and not any(ln.startswith("deepspeed ") for ln in stdout.splitlines())
+            argv = shlex.split(line[0])
+            assert argv[argv.index("--nodes") + 1] == "2:2" and argv[argv.index("--max-restarts") + 1] == "3"
+            assert argv[argv.index("--rendezvous") + 1] == "127.0.0.1:29500"
+            assert argv[argv.index("--job-id") + 1] == "j"  # the same id on every node ("j#1" on node 1)
+            assert argv[argv.index("--") + 1 :] == ["--config", evil, "a=1"]
+            continue
         argv = shlex.split([line for line in stdout.splitlines() if line.startswith("deepspeed ")][-1])
         assert argv[1:4] == ["--no_ssh", "--node_rank", str(rank)]
         assert argv[argv.index("--master_addr") + 1] == "127.0.0.1"
         assert argv[argv.index("--config") + 1] == evil and argv[-1] == "a=1"
+    if mode == "elastic":  # the outer layer: exit 3 (preempted, saved) and a lost host are retried
+        jd = json.loads((tmp_path / "jd.json").read_text())
+        assert {"onExitCode": "3", "action": "RETRY"} in jd["retryStrategy"]["evaluateOnExit"]
+        assert jd["retryStrategy"]["attempts"] >= 2
     assert (tmp_path / "work1" / "hostfile").read_text() == "127.0.0.1 slots=8\n127.0.0.2 slots=8\n"
 
 
@@ -153,6 +167,35 @@ open(sys.argv[1], "w").write("up")
 time.sleep(60)
 sys.exit(0)
 """
+
+
+def test_slurm_elastic_mode(tmp_path: Path) -> None:
+    canary = tmp_path / "pwned"
+    evil = EVIL.format(canary=canary)
+    out = tmp_path / "job.sbatch"
+    r = render(tmp_path, "slurm", "--config", evil, "--nodes", "4", "--mode", "elastic", "--min-nodes", "2",
+               "--max-restarts", "5", "--out", str(out))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "#SBATCH --requeue" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text and "{{" not in text
+    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
+    env = dry_env(tmp_path)
+    env.update(SLURM_JOB_NODELIST="node[01-04]", WP_JOB_DIR=str(tmp_path / "job"), SLURM_JOB_ID="4242")
+    run = subprocess.run(["bash", str(out), "extra=$(touch " + str(canary) + ")"], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert not canary.exists()
+    lines = run.stdout.splitlines()
+    assert any(ln.startswith("srun ") and "--no-kill" in ln for ln in lines), lines  # a lost node: step lives
+    argv = shlex.split(next(ln for ln in lines if ln.split()[1:4] == ["-m", "launch", "elastic"]))
+    assert argv[argv.index("--nodes") + 1] == "2:4" and argv[argv.index("--max-restarts") + 1] == "5"
+    assert argv[argv.index("--procs-per-node") + 1] == "8" and argv[argv.index("--job-id") + 1] == "4242"
+    assert argv[argv.index("--rendezvous") + 1] == "node01:29500"
+    assert argv[argv.index("--") + 1 :] == ["--config", evil, "extra=$(touch " + str(canary) + ")"]
+    r = render(tmp_path, "slurm", "--config", "c.yaml", "--nodes", "4", "--mode", "elastic",
+               "--min-nodes", "5", "--out", str(out))  # fmt: skip
+    assert r.returncode == 2
+    assert r.stderr.strip() == "error: --min-nodes must be between 1 and --nodes=4, got 5"
 
 
 def test_slurm_script_asks_for_the_signal_and_forwards_it(tmp_path: Path) -> None:

@@ -20,6 +20,12 @@ WP_MASTER_PORT_DEFAULT={{MASTER_PORT}}
 WP_MASTER_PORT=${WP_MASTER_PORT:-$WP_MASTER_PORT_DEFAULT}
 WP_REGISTRATION_PORT_DEFAULT={{REGISTRATION_PORT}}
 WP_REGISTRATION_PORT=${WP_REGISTRATION_PORT:-$WP_REGISTRATION_PORT_DEFAULT}
+WP_MODE_DEFAULT={{MODE}}
+WP_MODE=${WP_MODE:-$WP_MODE_DEFAULT}  # deepspeed: one launcher per node; elastic: launch elastic per node
+WP_MIN_NODES_DEFAULT={{MIN_NODES}}
+WP_MIN_NODES=${WP_MIN_NODES:-$WP_MIN_NODES_DEFAULT}
+WP_MAX_RESTARTS_DEFAULT={{MAX_RESTARTS}}
+WP_MAX_RESTARTS=${WP_MAX_RESTARTS:-$WP_MAX_RESTARTS_DEFAULT}
 WP_WORK=${WP_WORK:-/tmp/wikipretrain-launch}
 WP_PYTHON=${WP_PYTHON:-python}
 WP_DEEPSPEED=${WP_DEEPSPEED:-deepspeed}
@@ -39,5 +45,13 @@ set -a
 . "$WP_WORK/deepspeed_env"   # --no_ssh: DeepSpeed's runner does not read .deepspeed_env, so source it here
 . "$WP_WORK/node.env"        # NODE_RANK, MASTER_ADDR, NUM_NODES (validated integers and addresses)
 set +a
-run "$WP_DEEPSPEED" --no_ssh --node_rank "$NODE_RANK" --hostfile "$WP_WORK/hostfile" \
-    --master_addr "$MASTER_ADDR" --master_port "$WP_MASTER_PORT" "$WP_SCRIPT" --config "$WP_CONFIG" "$@"
+if [ "$WP_MODE" = elastic ]; then
+    # torch's elastic agent on every node, meeting on the main node: failures restart the job from the last
+    # checkpoint on the nodes left; exit 3 (preempted, saved) is retried by the job's retry strategy.
+    run "$WP_PYTHON" -m launch elastic --nodes "$WP_MIN_NODES:$NUM_NODES" --procs-per-node "$WP_GPUS_PER_NODE" \
+        --max-restarts "$WP_MAX_RESTARTS" --rendezvous "$MASTER_ADDR:$WP_MASTER_PORT" \
+        --job-id "${AWS_BATCH_JOB_ID%%#*}" -- --config "$WP_CONFIG" "$@"   # one id: "JOB#NODE" on children
+else
+    run "$WP_DEEPSPEED" --no_ssh --node_rank "$NODE_RANK" --hostfile "$WP_WORK/hostfile" \
+        --master_addr "$MASTER_ADDR" --master_port "$WP_MASTER_PORT" "$WP_SCRIPT" --config "$WP_CONFIG" "$@"
+fi
