@@ -136,6 +136,7 @@ def run(cfg: Config) -> int:
         peak_mem = collectives.all_reduce_values([float(peak_memory_bytes())], "max")[0]
         if rank == 0 and (not perf["stopped"] or "sequences_per_sec" in perf):
             st = trainer.state
+            evs = events.read(run_dir)
             summary = RunSummary(
                 model=spec.name, family=spec.family, world_size=world, nodes=node_count(), device_kind=device,
                 device_count=world, threads_per_rank=_threads(), precision=cfg.deepspeed.precision,
@@ -147,7 +148,10 @@ def run(cfg: Config) -> int:
                 peak_memory_bytes=int(peak_mem), startup_s=startup_s, final_loss=trainer.last_loss,
                 fingerprint=config_fingerprint({**resolved, "threads_per_rank": _threads()}), config=resolved,
                 evaluation=trainer.last_eval, wall_time_s=process_age_s(),
-                goodput=events.goodput(events.read(run_dir)), **perf,
+                goodput=events.goodput(evs),
+                segments=events.segments(evs, cfg.train.global_batch, cfg.data.seq_len, flops,
+                                         trainer.peak_flops),
+                **perf,
             )  # fmt: skip
             atomic_write_json(run_dir / "summary.json", summary.to_dict())
             keys = ("model", "world_size", "steps", "sequences_per_sec", "tokens_per_sec", "mfu")

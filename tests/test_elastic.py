@@ -124,6 +124,24 @@ def test_goodput_arithmetic() -> None:
     assert f == {"attempt": 1, "why": "another rank is gone", "at_step": 4, "resumed_at_step": 4,
                  "redone_s": 8.0, "restart_s": 12.0}  # fmt: skip
     assert events.goodput([]) is None
+
+    # per segment of constant world size: start 1 trained steps 0-4 on 2 devices in 30 - 10 - 2 s of stalls,
+    # start 2 steps 4-6 on 1 device in 62 - 50 - 1 s; global batch 8, 128 tokens a sequence
+    seg = events.segments(evs, global_batch=8, seq_len=128, flops_per_token=1e6, peak_flops_per_device=1e9)
+    assert seg is not None
+    one, two = seg["segments"]
+    assert (one["world_size"], one["from_step"], one["to_step"], one["seconds"]) == (2, 0, 4, 18.0)
+    assert (two["world_size"], two["from_step"], two["to_step"], two["seconds"]) == (1, 4, 6, 11.0)
+    assert one["sequences_per_sec"] == pytest.approx(32 / 18)
+    assert two["sequences_per_sec"] == pytest.approx(16 / 11)
+    assert one["mfu"] == pytest.approx(16 / 18 * 128 * 1e6 / 1e9)
+    assert two["scaling_efficiency"] == 1.0  # the segment with the fewest devices is the baseline
+    assert one["scaling_efficiency"] == pytest.approx((16 / 18) / (16 / 11))
+    total = seg["total"]
+    assert total["sequences"] == 48 and total["seconds"] == 29.0
+    assert total["sequences_per_sec_per_device"] == pytest.approx(48 / (18 * 2 + 11))  # per device-second
+    assert total["mfu"] == pytest.approx(48 / 47 * 128 * 1e6 / 1e9)
+    assert events.segments([], 8, 128) is None
     assert events.read(Path("/nonexistent")) == []  # a run with no events file yet
 
 

@@ -204,6 +204,11 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_pa
     assert [f["resumed_at_step"] for f in g["failures"]] == [alone["step"], grown["step"]]
     assert all(f["restart_s"] > 0 for f in g["failures"]) and g["failures"][1]["redone_s"] < 5
     assert summary["goodput"]["goodput"] == pytest.approx(g["goodput"], abs=0.05)
+    seg = summary["segments"]  # throughput per world size: every segment trained, the totals add up
+    assert [s["world_size"] for s in seg["segments"]] == [2, 1, 2]
+    assert all(s["sequences_per_sec"] > 0 and 0 < s["mfu"] < 1 for s in seg["segments"])
+    assert seg["segments"][1]["scaling_efficiency"] == 1.0  # world size 1 is the baseline
+    assert seg["total"]["sequences"] == sum((s["to_step"] - s["from_step"]) * 16 for s in seg["segments"])
     # launch report reads the same figures back
     r = subprocess.run([sys.executable, "-m", "launch", "report", str(run_dir)], cwd=REPO, env=run_env(),
                        capture_output=True, text=True, timeout=120)  # fmt: skip

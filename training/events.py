@@ -125,3 +125,79 @@ def goodput(events: list[dict[str, Any]], end_time: float | None = None) -> dict
         "world_sizes": [events[i].get("world_size") for i in starts],
         "failures": failures,
     }
+
+
+def segments(
+    events: list[dict[str, Any]],
+    global_batch: int,
+    seq_len: int,
+    flops_per_token: float | None = None,
+    peak_flops_per_device: float | None = None,
+) -> dict[str, Any] | None:
+    """Throughput, MFU and scaling efficiency per segment of constant world size, and over the whole run.
+
+    Convention:
+    - a segment is one start: from its ``start`` to its last event that names a step it completed (a
+      checkpoint, a SIGTERM stop, the finish), less the checkpoint stalls in between. Steps trained after that
+      event (lost to a failure) are in neither its sequences nor its time;
+    - its sequences are those steps x ``global_batch``, steps that a later start re-did included (its devices
+      did that work);
+    - throughput and MFU use ``training.metrics``; scaling efficiency is per-device throughput over that of
+      the segment with the fewest devices (``launch report``'s convention across runs);
+    - the totals divide all segments' sequences by all their time, and per device by their device-seconds.
+
+    None when no segment completed a step.
+    """
+    from training.metrics import mfu, scaling_efficiency, throughput
+
+    starts = [i for i, ev in enumerate(events) if ev["event"] == "start"]
+    bounds = [*starts, len(events)]
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        start, body = events[lo], events[lo + 1 : hi]
+        stepped = [ev for ev in body if ev["event"] in ("checkpoint", "sigterm", "finish") and "step" in ev]
+        if not stepped:
+            continue
+        last = stepped[-1]
+        steps = int(last["step"]) - int(start.get("step", 0))
+        stall = sum(float(ev.get("save_s", 0.0)) for ev in body if ev["event"] == "checkpoint" and ev["time"]
+                    <= last["time"])  # fmt: skip
+        seconds = last["time"] - start["time"] - stall
+        world = int(start.get("world_size", 1))
+        if steps <= 0 or seconds <= 0:
+            continue
+        tp = throughput(steps * global_batch, seconds, seq_len, world)
+        out.append({
+            "world_size": world,
+            "from_step": int(start.get("step", 0)),
+            "to_step": int(last["step"]),
+            "seconds": round(seconds, 3),
+            "sequences_per_sec": tp.sequences_per_sec,
+            "sequences_per_sec_per_device": tp.sequences_per_sec_per_device,
+            "mfu": mfu(tp.tokens_per_sec_per_device, flops_per_token, peak_flops_per_device)
+            if flops_per_token else None,
+        })  # fmt: skip
+    if not out:
+        return None
+    base = min(out, key=lambda s: s["world_size"])
+    for seg in out:
+        seg["scaling_efficiency"] = scaling_efficiency(
+            seg["sequences_per_sec_per_device"], base["sequences_per_sec_per_device"]
+        )
+    sequences = sum((s["to_step"] - s["from_step"]) * global_batch for s in out)
+    seconds = sum(s["seconds"] for s in out)
+    device_s = sum(s["seconds"] * s["world_size"] for s in out)
+    total = throughput(sequences, seconds, seq_len, 1)
+    per_device = sequences / device_s
+    return {
+        "segments": out,
+        "total": {
+            "sequences": sequences,
+            "seconds": round(seconds, 3),
+            "sequences_per_sec": total.sequences_per_sec,
+            "sequences_per_sec_per_device": per_device,
+            "mfu": mfu(per_device * seq_len, flops_per_token, peak_flops_per_device)
+            if flops_per_token
+            else None,
+        },
+    }

@@ -126,7 +126,9 @@ class RunSummary:
 
     A run that restarted (``attempt`` > 1) reports throughput, MFU and the times above for its last start
     only, at that start's ``world_size``; ``goodput`` (``training.events.goodput``: productive time over wall
-    time, the time each failure cost, checkpoint stalls, the world size of every start) covers all of them.
+    time, the time each failure cost, checkpoint stalls, the world size of every start) covers all of them,
+    and ``segments`` (``training.events.segments``) gives throughput, MFU and scaling efficiency per start
+    and for the whole run.
     """
 
     model: str
@@ -171,6 +173,7 @@ class RunSummary:
     mfu: float | None = None
     data_wait_fraction: float | None = None
     goodput: dict[str, Any] | None = None
+    segments: dict[str, Any] | None = None  # training.events.segments: figures per world size, and totals
     evaluation: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
