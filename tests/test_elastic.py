@@ -219,3 +219,26 @@ def test_checkpoint_every_auto_saves_at_youngs_interval(bert_data, tmp_path):  #
         assert nxt in saves or nxt >= 14, (plan, saves)
     assert saves[-1] == 14  # the final save
     assert "checkpoint.every=auto: save" in r.stderr and "expected loss per failure" in r.stderr
+
+
+def test_node_mtbf_comes_from_the_cluster_profile(tmp_path: Path) -> None:
+    # `launch env --profile efa` writes WP_NODE_MTBF_HOURS for every node; the config takes it as default
+    from common.errors import UserError
+    from training.config import MTBF_ENV, node_mtbf_from_env
+
+    out = tmp_path / "env"
+    argv = [sys.executable, "-m", "launch", "env", "--profile", "efa", "--out", str(out)]
+    r = subprocess.run(argv, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    value = dict(ln.split("=", 1) for ln in out.read_text().splitlines())[MTBF_ENV]
+    env = {**run_env(), MTBF_ENV: value}
+    code = "from training.config import load_config; print(load_config('smoke', %r).checkpoint.mtbf_hours)"
+    cases = ((["checkpoint.every=auto"], float(value)), (["checkpoint.mtbf_hours=12"], 12.0))
+    for overrides, expect in cases:  # the profile's value is the default; an explicit one wins
+        r = subprocess.run([sys.executable, "-c", code % overrides], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 0 and float(r.stdout) == expect, r.stderr
+    assert node_mtbf_from_env({}) is None
+    with pytest.raises(UserError) as e:
+        node_mtbf_from_env({MTBF_ENV: "soon"})
+    assert str(e.value) == f"{MTBF_ENV}='soon' (the cluster profile's env): not a positive number of hours"

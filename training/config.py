@@ -8,6 +8,7 @@ here. Every mistake (unknown key, wrong type, inconsistent batch arithmetic, mis
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -153,7 +154,8 @@ class CheckpointSection:
     ``mtbf_hours`` over the job's node count (independent failures). Recomputed after every save."""
     mtbf_hours: float | None = None
     """Mean time between failures of one node, in hours, for ``every: auto`` (the cluster's own records; a
-    2,048-node job that sees a failure every 3 h has one node's MTBF near 6,000 h)."""
+    2,048-node job that sees a failure every 3 h has one node's MTBF near 6,000 h). Default: the cluster
+    profile's ``WP_NODE_MTBF_HOURS``, which ``python -m launch env`` writes for every node."""
     keep: int = 3
     """Keep the newest K complete checkpoints."""
     resume: str = "auto"
@@ -349,8 +351,28 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
             node = child
         node[parts[-1]] = value
     cfg: Config = _build(Config, values)
+    if cfg.checkpoint.mtbf_hours is None:
+        cfg.checkpoint.mtbf_hours = node_mtbf_from_env()
     validate(cfg)
     return cfg
+
+
+MTBF_ENV = "WP_NODE_MTBF_HOURS"
+
+
+def node_mtbf_from_env(environ: dict[str, str] | None = None) -> float | None:
+    """The cluster profile's node MTBF (``launch env`` writes it on every node), the default of
+    ``checkpoint.mtbf_hours``."""
+    text = (os.environ if environ is None else environ).get(MTBF_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UserError(f"{MTBF_ENV}={text!r} (the cluster profile's env): not a positive number of hours")
+    return value
 
 
 def validate(cfg: Config) -> None:
