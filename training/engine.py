@@ -105,6 +105,11 @@ def start(cfg: Config) -> None:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     section = cfg.deepspeed
+    if "MASTER_PORT" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
+        from common.net import free_port  # a single process started without a launcher: any free port,
+        # not the launchers' default 29500, which another job on this machine may hold
+
+        os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     os.environ.setdefault("RANK", "0")
