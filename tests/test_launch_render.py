@@ -31,6 +31,16 @@ def dry_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+def dry_run_slurm(script: Path, tmp_path: Path, arg: str, **env_vars: str) -> subprocess.CompletedProcess:
+    """A rendered sbatch script, valid bash, run dry (WP_DRY_RUN) with ``arg`` as the extra override."""
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    env = dry_env(tmp_path)
+    env.update(WP_JOB_DIR=str(tmp_path / "job"), **env_vars)
+    run = subprocess.run(["bash", str(script), arg], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    return run
+
+
 @pytest.mark.parametrize("mode", ["ssh", "srun"])
 def test_slurm_script_is_valid_and_injection_safe(tmp_path: Path, mode: str) -> None:
     canary = tmp_path / "pwned"
@@ -40,12 +50,8 @@ def test_slurm_script_is_valid_and_injection_safe(tmp_path: Path, mode: str) -> 
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert shlex.quote(evil) in text and "#SBATCH --nodes=2" in text and "{{" not in text
-    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
-    env = dry_env(tmp_path)
-    env.update(SLURM_JOB_NODELIST="node[01-02]", WP_JOB_DIR=str(tmp_path / "job"), SLURM_NODEID="0")
-    run = subprocess.run(["bash", str(out), "extra=$(touch " + str(canary) + ")"], env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    run = dry_run_slurm(out, tmp_path, "extra=$(touch " + str(canary) + ")", SLURM_JOB_NODELIST="node[01-02]",
+                        SLURM_NODEID="0")  # fmt: skip
     assert not canary.exists()
     ds_line = [line for line in run.stdout.splitlines() if line.startswith("deepspeed ")][-1]
     argv = shlex.split(ds_line)
@@ -178,12 +184,8 @@ def test_slurm_elastic_mode(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert "#SBATCH --requeue" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text and "{{" not in text
-    assert subprocess.run(["bash", "-n", str(out)]).returncode == 0
-    env = dry_env(tmp_path)
-    env.update(SLURM_JOB_NODELIST="node[01-04]", WP_JOB_DIR=str(tmp_path / "job"), SLURM_JOB_ID="4242")
-    run = subprocess.run(["bash", str(out), "extra=$(touch " + str(canary) + ")"], env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert run.returncode == 0, run.stderr
+    run = dry_run_slurm(out, tmp_path, "extra=$(touch " + str(canary) + ")", SLURM_JOB_NODELIST="node[01-04]",
+                        SLURM_JOB_ID="4242")  # fmt: skip
     assert not canary.exists()
     lines = run.stdout.splitlines()
     assert any(ln.startswith("srun ") and "--no-kill" in ln for ln in lines), lines  # a lost node: step lives
