@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shlex
 import signal
@@ -135,24 +134,6 @@ def default_job_id() -> str:
     return "wp-elastic"
 
 
-def _new_events(run_dir: Path, offset: int) -> tuple[list[dict], int]:
-    path = run_dir / events.EVENTS
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return [], offset
-    whole = data[: data.rfind(b"\n") + 1]
-    out = []
-    for ln in whole.decode("utf-8", "replace").splitlines():
-        try:
-            out.append(json.loads(ln))
-        except json.JSONDecodeError:
-            continue
-    return out, offset + len(whole)
-
-
 def _kill_tree(pid: int) -> None:
     with contextlib.suppress(psutil.Error):
         root = psutil.Process(pid)
@@ -196,7 +177,7 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, g
                 last_scan = time.monotonic()
                 with contextlib.suppress(psutil.Error):
                     seen.update((c.pid, c) for c in psutil.Process(agent.pid).children(recursive=True))
-            new, offset = _new_events(run_dir, offset)
+            new, offset = events.read_from(run_dir, offset)
             for ev in new:
                 started = started or ev.get("event") == "start"
                 if ev.get("event") == "user_error" and not user_error:

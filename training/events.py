@@ -48,18 +48,28 @@ def record(run_dir: Path, kind: str, **fields: Any) -> None:
 
 def read(run_dir: Path) -> list[dict[str, Any]]:
     """The run's events in file order; a torn last line (a writer killed mid-write) is left out."""
-    path = run_dir / EVENTS
-    if not path.exists():
-        return []
+    return read_from(run_dir, 0)[0]
+
+
+def read_from(run_dir: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The events written after byte ``offset`` (a follower's position) and the offset after the last whole
+    line; a line still being written is left for the next call."""
+    try:
+        with open(run_dir / EVENTS, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return [], offset
+    whole = data[: data.rfind(b"\n") + 1]
     out = []
-    for ln in path.read_text(encoding="utf-8").splitlines():
+    for ln in whole.decode("utf-8", "replace").splitlines():
         try:
             ev = json.loads(ln)
         except json.JSONDecodeError:
             continue
         if isinstance(ev, dict) and "event" in ev and "time" in ev:
             out.append(ev)
-    return out
+    return out, offset + len(whole)
 
 
 def goodput(events: list[dict[str, Any]], end_time: float | None = None) -> dict[str, Any] | None:
