@@ -391,6 +391,56 @@ def test_disk_full_during_a_save_fails_cleanly(bert_data, tmp_path):
         assert (ckpt / "latest").read_text().strip() == "step00000008"
 
 
+def test_async_save_commits_and_resumes_exactly(bert_data, straight_run, tmp_path):
+    """checkpoint.async_save: the checkpoints of steps 2, 4 and 6 are written while training goes on, each
+    committed with every file of both ranks, and a resume from step 6 repeats the uninterrupted run's losses
+    exactly."""
+    from training import events
+    from training.checkpoint import complete_tags, read_latest, tag_problem
+
+    run_dir = tmp_path / "run"
+    first = deepspeed(common(bert_data, run_dir, "checkpoint.async_save=true", "checkpoint.every=2",
+                             "checkpoint.keep=3", "train.stop_at_step=6"))  # fmt: skip
+    assert first.returncode == 3, first.stderr[-3000:]
+    ckpt = run_dir / "checkpoints"
+    assert complete_tags(ckpt) == ["step00000002", "step00000004", "step00000006"]
+    assert read_latest(ckpt) == "step00000006"
+    for tag in complete_tags(ckpt):
+        assert tag_problem(ckpt, tag) is None
+        files = json.loads((ckpt / tag / "COMPLETE").read_text())["files"]
+        assert {"rng_rank0.pt", "rng_rank1.pt", "client_state.json"} <= set(files)
+        assert sum(1 for f in files if "optim_states" in f) == 2  # both ranks' ZeRO shards
+    saves = [e for e in events.read(run_dir) if e["event"] == "checkpoint"]
+    assert [e["step"] for e in saves] == [2, 4, 6]
+    for e in saves:  # committed after the stall ended, the files written in the meantime
+        assert e["write_s"] > 0 and e["save_s"] > 0 and e["done_at"] <= e["time"]
+    second = deepspeed(common(bert_data, run_dir, "checkpoint.async_save=true"))
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed from {ckpt / 'step00000006'} at step 6" in second.stderr
+    assert losses(run_dir) == losses(straight_run)  # identical values, step by step
+
+
+def test_async_save_that_fills_the_disk_fails_cleanly(bert_data, tmp_path):
+    """A background save that fails (checkpoint.dir on a 32 MiB tmpfs: step 4 fits, step 8 does not) stops
+    every rank with one line, at the latest when the next save (step 12) waits for it; nothing of step 8 is
+    committed and latest names step 4."""
+    with tmpfs(tmp_path / "ckpt", "size=32m") as ckpt:
+        run_dir = tmp_path / "run"
+        args = common(bert_data, run_dir, f"checkpoint.dir={ckpt}", "train.eval_every=0", "train.steps=16",
+                      "checkpoint.async_save=true")  # fmt: skip
+        t0 = time.time()
+        full = deepspeed(args)
+        errors = [ln for ln in full.stderr.splitlines() if ln.startswith("error:")]
+        assert full.returncode != 0 and len(errors) == 1, full.stderr[-3000:]
+        assert f"saving checkpoint {ckpt / 'step00000008'} (in the background) failed on node" in errors[0]
+        assert "the disk is full" in errors[0] and f"{ckpt / 'latest'} still names step00000004" in errors[0]
+        assert "Traceback" not in full.stderr
+        assert not (ckpt / "step00000008").exists()
+        assert (ckpt / "latest").read_text().strip() == "step00000004"
+        assert max(losses(run_dir)) <= 12  # it stopped
+        assert time.time() - t0 < 120, "the ranks did not end together"
+
+
 @pytest.mark.parametrize("which", ["run.dir", "checkpoint.dir"])
 def test_read_only_directories_are_refused_at_start(bert_data, tmp_path, which):
     """run.dir (or checkpoint.dir, the other one writable elsewhere) on a read-only mount: every rank stops

@@ -22,6 +22,7 @@ that it sees every file of the chosen tag with its recorded size.
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import math
@@ -232,21 +233,7 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
     """Save on every rank; commit (COMPLETE, then ``latest``) only when every rank has written its part."""
     tag = tag_for(step)
     rank = collectives.rank()
-    if rank == 0:  # saves that never completed (a crash, a full disk) give their space back first
-        for partial in incomplete_tags(ckpt_dir):
-            if partial != tag:
-                shutil.rmtree(ckpt_dir / partial, ignore_errors=True)
-    from deepspeed.checkpoint.constants import (
-        UNIVERSAL_CHECKPOINT_INFO,
-        UNIVERSAL_CHECKPOINT_VERSION_KEY,
-        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
-    )
-
-    # The (empty) universal-checkpoint info lets DeepSpeed's ds_to_universal convert this checkpoint for a
-    # resume on another world size: no tensor- or pipeline-parallel slicing to describe.
-    extra = {
-        UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}
-    }
+    extra = _start_save(engine, ckpt_dir, tag, rank)
     guard = _GuardedWrites(engine)
     error = None
     try:
@@ -269,25 +256,178 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
     if failed:
         if rank == 0:  # the partial tag goes at once: its space is what a full disk lacks
             shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
-        why, host, r = failed
-        previous = latest_complete(ckpt_dir)
-        raise UserError(
-            f"saving checkpoint {ckpt_dir / tag} failed on node {host} (rank {r}): {why}; nothing of it was "
-            f"committed and {ckpt_dir / LATEST} still names {previous or 'no checkpoint'}"
-        )
+        raise UserError(_failed_save(ckpt_dir, tag, failed))
     if rank == 0:
-        atomic_write_json(ckpt_dir / tag / COMPLETE, {"files": tag_files(ckpt_dir / tag)})
-        fsync_dir(ckpt_dir / tag)
-        atomic_write_text(ckpt_dir / LATEST, tag + "\n")
-        fsync_dir(ckpt_dir)
-        for old in complete_tags(ckpt_dir)[:-keep]:
-            shutil.rmtree(ckpt_dir / old, ignore_errors=True)
-        kept = set(complete_tags(ckpt_dir))
-        for converted in ckpt_dir.glob(UNIVERSAL_PREFIX + "*"):
-            if converted.name.removeprefix(UNIVERSAL_PREFIX) not in kept:
-                shutil.rmtree(converted, ignore_errors=True)
+        _commit(ckpt_dir, tag, keep)
     collectives.barrier()
     return tag
+
+
+def _start_save(engine, ckpt_dir: Path, tag: str, rank: int) -> dict[str, Any]:
+    """What both kinds of save do first: rank 0 removes tags that never completed (a crash, a full disk,
+    a background save that failed: their space first); returns the universal-checkpoint info."""
+    if rank == 0:
+        for partial in incomplete_tags(ckpt_dir):
+            if partial != tag:
+                shutil.rmtree(ckpt_dir / partial, ignore_errors=True)
+    from deepspeed.checkpoint.constants import (
+        UNIVERSAL_CHECKPOINT_INFO,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    )
+
+    # The (empty) universal-checkpoint info lets DeepSpeed's ds_to_universal convert this checkpoint for a
+    # resume on another world size: no tensor- or pipeline-parallel slicing to describe.
+    return {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+
+
+def _commit(ckpt_dir: Path, tag: str, keep: int) -> None:
+    """Rank 0, once every rank's files of ``tag`` are durable: COMPLETE (listing them), then ``latest``;
+    older tags beyond ``keep`` and their universal conversions go."""
+    atomic_write_json(ckpt_dir / tag / COMPLETE, {"files": tag_files(ckpt_dir / tag)})
+    fsync_dir(ckpt_dir / tag)
+    atomic_write_text(ckpt_dir / LATEST, tag + "\n")
+    fsync_dir(ckpt_dir)
+    for old in complete_tags(ckpt_dir)[:-keep]:
+        shutil.rmtree(ckpt_dir / old, ignore_errors=True)
+    kept = set(complete_tags(ckpt_dir))
+    for converted in ckpt_dir.glob(UNIVERSAL_PREFIX + "*"):
+        if converted.name.removeprefix(UNIVERSAL_PREFIX) not in kept:
+            shutil.rmtree(converted, ignore_errors=True)
+
+
+def _host_copy(obj: Any, memo: dict | None = None) -> Any:
+    """A copy of a state dict whose tensors live in host memory and no longer change with training. Tensors
+    that are the same view of one storage (tied weights) stay one tensor, so the file does not grow."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if key not in memo:
+            memo[key] = t.to("cpu", copy=True)
+        return memo[key]
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps the mapping's type (OrderedDict, defaultdict)
+        for k, v in obj.items():
+            out[k] = _host_copy(v, memo)
+        return out
+    if isinstance(obj, list):
+        return [_host_copy(v, memo) for v in obj]
+    if isinstance(obj, tuple):
+        items = [_host_copy(v, memo) for v in obj]
+        if hasattr(obj, "_fields"):  # a named tuple takes its fields one by one
+            return type(obj)(*items)
+        return type(obj)(items)  # a tuple, or a subclass such as torch.Size
+    return obj
+
+
+class _CapturedWrites:
+    """While active, DeepSpeed's checkpoint engine hands each state dict it would write to us, copied to
+    host memory, instead of writing it (the background save writes it)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine.checkpoint_engine
+        self.writes: list[tuple[Any, str]] = []
+
+    def __enter__(self) -> _CapturedWrites:
+        def save(state_dict: Any, path: str, *args: Any, **kwargs: Any) -> None:
+            self.writes.append((_host_copy(state_dict), str(path)))
+
+        self.engine.save = save  # an instance attribute: shadows the class's method until __exit__
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        del self.engine.save
+
+
+class BackgroundSave:
+    """A checkpoint whose files a thread writes while training goes on (``checkpoint.async_save``).
+
+    The commit protocol is the synchronous save's: the tag is committed (COMPLETE, then ``latest``) only
+    once every rank's files are written and fsynced. Each rank learns that the others are done through the
+    step's collective (``StepReduction``: ``written`` and ``failed`` are this rank's part of it); nothing
+    waits on files another rank should have written, so a full disk cannot leave one rank waiting for a
+    marker another could not write. ``finish`` is the synchronous ending: wait, vote, commit or fail on
+    every rank with the same line.
+    """
+
+    def __init__(self, ckpt_dir: Path, step: int, rank: int, writes: list[tuple[Any, str]],
+                 client_state: dict[str, Any] | None) -> None:  # fmt: skip
+        self.ckpt_dir, self.step, self.tag, self.rank = ckpt_dir, step, tag_for(step), rank
+        self.error: str | None = None
+        self.write_s = 0.0
+        self._writes, self._client = writes, client_state
+        self._thread = threading.Thread(target=self._run, name=f"save-{self.tag}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        where = self.ckpt_dir / self.tag
+        try:
+            for state, target in self._writes:
+                with atomic_path(target) as tmp:
+                    torch.save(state, tmp)
+            if self._client is not None:
+                atomic_write_json(where / "client_state.json", self._client)
+            fsync_tree(where, self.rank)
+        except (OSError, RuntimeError) as e:
+            self.error = _describe_write_error(e, self.ckpt_dir)
+        finally:
+            self._writes = []  # the host copies go now
+            self.write_s = time.perf_counter() - t0
+
+    @property
+    def written(self) -> bool:
+        """This rank's files are written and durable."""
+        return not self._thread.is_alive() and self.error is None
+
+    @property
+    def failed(self) -> bool:
+        return not self._thread.is_alive() and self.error is not None
+
+    def commit(self, keep: int) -> None:
+        """Every rank reported its files written (through the step's collective): rank 0 commits."""
+        self._thread.join()
+        if self.rank == 0:
+            _commit(self.ckpt_dir, self.tag, keep)
+
+    def finish(self, keep: int) -> None:
+        """Every rank at the same point: wait for this rank's writes, then vote as the synchronous save does.
+        Commits when every rank's files are durable; otherwise rank 0 removes the tag and every rank raises
+        the same one line."""
+        self._thread.join()
+        failed = collectives.first_failure(self.error)
+        if failed:
+            if self.rank == 0:  # its space is what a full disk lacks
+                shutil.rmtree(self.ckpt_dir / self.tag, ignore_errors=True)
+            raise UserError(_failed_save(self.ckpt_dir, self.tag, failed, "(in the background) "))
+        self.commit(keep)
+        collectives.barrier()
+
+
+def save_in_background(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any]) -> BackgroundSave:
+    """Start a save whose files are written while training goes on. The training stall is DeepSpeed's own
+    save with its writes replaced by copies to host memory (the checkpoint state is held twice meanwhile)."""
+    tag = tag_for(step)
+    rank = collectives.rank()
+    extra = _start_save(engine, ckpt_dir, tag, rank)
+    capture = _CapturedWrites(engine)
+    with capture:
+        engine.save_checkpoint(
+            str(ckpt_dir), tag=tag, client_state={"client": client_state, **extra}, save_latest=False
+        )
+    writes = [*capture.writes, (rng_state(), str(ckpt_dir / tag / f"rng_rank{rank}.pt"))]
+    client = {"format": FORMAT, **client_state} if rank == 0 else None
+    return BackgroundSave(ckpt_dir, step, rank, writes, client)
+
+
+def _failed_save(ckpt_dir: Path, tag: str, failed: tuple[str, str, int], how: str = "") -> str:
+    why, host, r = failed
+    previous = latest_complete(ckpt_dir)
+    return (
+        f"saving checkpoint {ckpt_dir / tag} {how}failed on node {host} (rank {r}): {why}; nothing of it was "
+        f"committed and {ckpt_dir / LATEST} still names {previous or 'no checkpoint'}"
+    )
 
 
 class _GuardedWrites:

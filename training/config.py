@@ -158,6 +158,12 @@ class CheckpointSection:
     profile's ``WP_NODE_MTBF_HOURS``, which ``python -m launch env`` writes for every node."""
     keep: int = 3
     """Keep the newest K complete checkpoints."""
+    async_save: bool = False
+    """Write checkpoints while training goes on: the step's stall is DeepSpeed's save with its writes replaced
+    by copies to host memory (the state is held twice until written); each rank's thread writes and fsyncs
+    its files and says so in the step's collective, and rank 0 commits the tag once every rank's files are
+    durable, as a synchronous save commits. A failed write stops every rank a step later with one line. The
+    last save (and one after SIGTERM) is synchronous."""
     resume: str = "auto"
     """auto: the newest complete checkpoint if any; never: refuse to run over existing checkpoints; or a
     path."""

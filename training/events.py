@@ -6,7 +6,9 @@ Kinds (each line also has ``time``, seconds since the epoch, ``rank`` and ``atte
   (where it resumes, 0 for a new run), ``resumed_from`` (a tag or null), ``restart`` (the elastic agent's
   restart count, 0 for a first start), ``startup_s`` (process start to this line);
 - ``world_size_change``: the run resumes at another data-parallel world size: ``previous``, ``world_size``;
-- ``checkpoint``: a committed save: ``step``, ``tag``, ``save_s`` (the training stall it caused);
+- ``checkpoint``: a committed save: ``step``, ``tag``, ``save_s`` (the training stall it caused); a
+  background save (``checkpoint.async_save``) is recorded when committed, some steps after its stall, and
+  also has ``write_s`` (its files' writing, overlapped with training) and ``done_at`` (when its stall ended);
 - ``failure``: a rank found a peer gone or hung: ``why``;
 - ``sigterm``: a rank received SIGTERM (a scheduler's preemption, or its elastic agent stopping it for a
   restart): it saves and exits 3; ``launcher_lost``: a rank's launcher died (the rank stops as on SIGTERM);
@@ -72,6 +74,11 @@ def read_from(run_dir: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
     return out, offset + len(whole)
 
 
+def _at(ev: dict[str, Any]) -> float:
+    """When the event's step was done and its stall over (a background save is committed later)."""
+    return float(ev.get("done_at", ev["time"]))
+
+
 def goodput(events: list[dict[str, Any]], end_time: float | None = None) -> dict[str, Any] | None:
     """Goodput of a run from its events: the time spent on steps that survive to the end, over wall time.
 
@@ -106,7 +113,7 @@ def goodput(events: list[dict[str, Any]], end_time: float | None = None) -> dict
         else:
             resume = int(nxt.get("step", 0))
             kept = [ev for ev in saves if int(ev["step"]) <= resume]
-            keep_until = kept[-1]["time"] if kept and int(kept[-1]["step"]) > int(start.get("step", 0)) else (
+            keep_until = _at(kept[-1]) if kept and int(kept[-1]["step"]) > int(start.get("step", 0)) else (
                 start["time"])  # fmt: skip
             kept_saves = [ev for ev in kept if int(ev["step"]) > int(start.get("step", 0))]
         attempt_stall = sum(float(ev.get("save_s", 0.0)) for ev in kept_saves)
@@ -170,9 +177,9 @@ def segments(
             continue
         last = stepped[-1]
         steps = int(last["step"]) - int(start.get("step", 0))
-        stall = sum(float(ev.get("save_s", 0.0)) for ev in body if ev["event"] == "checkpoint" and ev["time"]
-                    <= last["time"])  # fmt: skip
-        seconds = last["time"] - start["time"] - stall
+        stall = sum(float(ev.get("save_s", 0.0)) for ev in body if ev["event"] == "checkpoint" and _at(ev)
+                    <= _at(last))  # fmt: skip
+        seconds = _at(last) - start["time"] - stall
         world = int(start.get("world_size", 1))
         if steps <= 0 or seconds <= 0:
             continue

@@ -180,8 +180,10 @@ class StopRequest:
 
 
 class StepReduction:
-    """Per step, one collective of [loss pieces..., stop flag]; read on the host without stalling the
-    device."""
+    """Per step, one collective of [loss pieces..., stop flag, saves written, saves failed]; read on the host
+    without stalling the device. The last two count the ranks whose part of a background checkpoint save
+    (``checkpoint.async_save``) is durable, or failed: every rank learns at the same step that the save can
+    be committed, or that the run must stop."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -192,17 +194,24 @@ class StepReduction:
         self.step = 0  # the newest step whose values are on the host
         self.values: dict[str, float] = {}
         self.stop = False
+        self.saves_written = 0  # ranks whose background save was written, as of ``step``
+        self.save_failed = False
 
     def name_pieces(self, out: dict[str, torch.Tensor]) -> list[str]:
         if not self.names:
             self.names = ["loss", *(k for k in LOSS_PARTS if k in out)]
             pinned = self.device.type == "cuda"
-            self.host = torch.zeros(len(self.names) + 1, dtype=torch.float64, pin_memory=pinned)
+            self.host = torch.zeros(len(self.names) + 3, dtype=torch.float64, pin_memory=pinned)
         return self.names
 
-    def launch(self, step: int, sums: torch.Tensor, stop_requested: bool) -> None:
-        flag = torch.full((1,), 1.0 if stop_requested else 0.0, dtype=torch.float64, device=self.device)
-        vec = torch.cat([sums.to(torch.float64), flag])
+    def launch(self, step: int, sums: torch.Tensor, stop_requested: bool,
+               save: checkpoint.BackgroundSave | None = None) -> None:  # fmt: skip
+        flags = torch.zeros(3, dtype=torch.float64, device=self.device)  # a fill, not a host-to-device copy
+        for i, on in enumerate((stop_requested, save is not None and save.written,
+                                save is not None and save.failed)):  # fmt: skip
+            if on:
+                flags[i] = 1.0
+        vec = torch.cat([sums.to(torch.float64), flags])
         collectives.all_reduce_(vec, "sum")
         self.read()  # the previous step's values: complete by now
         assert self.host is not None
@@ -220,8 +229,9 @@ class StepReduction:
             self.event.synchronize()
         assert self.host is not None
         vals = self.host.tolist()
-        self.step, self.values = self.pending, dict(zip(self.names, vals[:-1]))
-        self.stop = self.stop or vals[-1] > 0
+        self.step, self.values = self.pending, dict(zip(self.names, vals[:-3]))
+        self.stop = self.stop or vals[-3] > 0
+        self.saves_written, self.save_failed = round(vals[-2]), vals[-1] > 0
         self.pending = None
 
 
@@ -265,7 +275,10 @@ class Trainer:
         self.state = TrainState()
         self.clock = Clock(logging.warmup_steps)
         self.stop = StopRequest()
-        self.last_save_s: float | None = None  # duration of the newest save (the grace check after SIGTERM)
+        self.last_save_s: float | None = None  # the training stall of the newest save
+        self.full_save_s: float | None = None  # a whole save's duration (the grace check after SIGTERM)
+        self.pending_save: checkpoint.BackgroundSave | None = None
+        self._stall_done_at = 0.0  # when the newest background save's stall ended (time.time())
         self.device = engine.device
         self._iter: Iterator[dict[str, torch.Tensor]] | None = None
         self.last_eval: dict[str, float] = {}
@@ -351,7 +364,8 @@ class Trainer:
         self.state.samples += self.cfg.global_batch
         self.state.tokens += self.cfg.global_batch * self.seq_len
         # Mean over the global batch: every micro-batch of every rank weighs the same.
-        reduction.launch(self.state.step, sums / (self.grad_accum * self.world), self.stop.requested)
+        reduction.launch(self.state.step, sums / (self.grad_accum * self.world), self.stop.requested,
+                         self.pending_save)  # fmt: skip
         return lr
 
     @torch.no_grad()
@@ -457,31 +471,72 @@ class Trainer:
             return True
         now = time.monotonic()
         remaining = self.ckpt.preempt_grace_s - (now - (self.stop.at or now))
-        fits = self.last_save_s is None or self.last_save_s <= remaining
+        fits = self.full_save_s is None or self.full_save_s <= remaining
         if not collectives.broadcast_object(fits):
             latest = checkpoint.latest_complete(self.ckpt_dir)
             log.warning(
                 f"SIGTERM: no checkpoint at step {self.state.step}: the last save took "
-                f"{self.last_save_s or 0:.1f} s and {max(0.0, remaining):.1f} s of "
+                f"{self.full_save_s or 0:.1f} s and {max(0.0, remaining):.1f} s of "
                 f"checkpoint.preempt_grace_s={self.ckpt.preempt_grace_s:g} remain; the next start resumes "
                 f"from {latest or 'the beginning'}"
             )
             return False
         return True
 
-    def save(self) -> str:
+    def save(self, background: bool = False) -> str:
+        """Save at this step: synchronously, or (``background``, ``checkpoint.async_save``) with the files
+        written while training goes on and committed once every rank reports them durable. A save first
+        finishes the background one still in flight."""
         t0 = time.perf_counter()
-        tag = checkpoint.save(
-            self.engine, self.ckpt_dir, self.state.step, self.client_state(), self.ckpt.keep
-        )
+        self.finish_pending_save()  # its wait is part of this save's stall (and of checkpoint.every=auto's C)
+        t1 = time.perf_counter()
+        step = self.state.step
+        if background:
+            self.pending_save = checkpoint.save_in_background(self.engine, self.ckpt_dir, step,
+                                                              self.client_state())  # fmt: skip
+            tag = self.pending_save.tag
+        else:
+            tag = checkpoint.save(self.engine, self.ckpt_dir, step, self.client_state(), self.ckpt.keep)
         self.last_save_s = time.perf_counter() - t0
-        self.clock.save_s += self.last_save_s
-        self._last_saved = self.state.step
-        log.info(f"saved checkpoint {self.ckpt_dir / tag}")
-        if collectives.rank() == 0:
-            events.record(self.run_dir, "checkpoint", attempt=self.attempt, rank=0, step=self.state.step,
-                          tag=tag, save_s=round(self.last_save_s, 4))  # fmt: skip
+        self.clock.save_s += time.perf_counter() - t1  # the wait above is counted where it happened
+        self._last_saved = step
+        if background:
+            self._stall_done_at = time.time()
+        else:
+            self.full_save_s = self.last_save_s
+            log.info(f"saved checkpoint {self.ckpt_dir / tag}")
+            if self.rank == 0:
+                events.record(self.run_dir, "checkpoint", attempt=self.attempt, rank=0, step=step, tag=tag,
+                              save_s=round(self.last_save_s, 4))  # fmt: skip
         return tag
+
+    def _commit_pending_save(self, *, vote: bool) -> None:
+        """Commit the background save in flight: at once when every rank reported its files durable through
+        the step's collective, or (``vote``) after waiting for this rank's writes and a vote, as a
+        synchronous save ends. A failure seen by any rank raises the same one line on every rank."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        if vote:
+            pending.finish(self.ckpt.keep)
+        else:
+            pending.commit(self.ckpt.keep)
+        self.clock.save_s += time.perf_counter() - t0  # waiting for it stalls training too
+        self.full_save_s = (self.last_save_s or 0.0) + pending.write_s
+        log.info(
+            f"saved checkpoint {self.ckpt_dir / pending.tag} (written in the background in "
+            f"{pending.write_s:.2f} s)"
+        )
+        if self.rank == 0:
+            events.record(self.run_dir, "checkpoint", attempt=self.attempt, rank=0, step=pending.step,
+                          tag=pending.tag, save_s=round(self.last_save_s or 0.0, 4),
+                          write_s=round(pending.write_s, 4), done_at=self._stall_done_at)  # fmt: skip
+
+    def finish_pending_save(self) -> None:
+        """Every rank at the same point: wait for the background save in flight (if any) and commit it, or
+        raise its failure."""
+        self._commit_pending_save(vote=True)
 
     def _timed_eval(self) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -507,6 +562,13 @@ class Trainer:
                 self.clock.warmup_s = self.clock.steps_outside(t_loop)
             lr = self.train_step(reduction)
             step = self.state.step
+            if self.pending_save is not None and reduction.step > self.pending_save.step:
+                if reduction.save_failed:  # every rank sees it at this step: stop; raised after the loop
+                    log.warning(f"stopping after step {step}: a background checkpoint save failed")
+                    stopped = "save_failed"
+                    break
+                if reduction.saves_written == self.world:
+                    self._commit_pending_save(vote=False)
             if self.clock.running:
                 self.clock.measured_steps += 1
             do_eval = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
@@ -532,7 +594,7 @@ class Trainer:
                     self.clock.log_s += time.perf_counter() - t0
                 if do_save:
                     save_started = time.perf_counter()
-                    self.save()
+                    self.save(background=self.ckpt.async_save)
                     if self.ckpt.every == "auto":
                         self._plan_next_save(save_started)
                 if was_running:
@@ -559,6 +621,7 @@ class Trainer:
         if reduction.values and reduction.step == self.state.step:
             self.last_loss = reduction.values["loss"]
         perf = self.performance()
+        self.finish_pending_save()  # committed before the run ends, or its failure raised on every rank
         if not stopped and self.eval_set is not None:
             self.last_eval = self._timed_eval()
             if self.last_eval:
