@@ -142,6 +142,27 @@ def test_goodput_arithmetic() -> None:
     assert total["sequences_per_sec_per_device"] == pytest.approx(48 / (18 * 2 + 11))  # per device-second
     assert total["mfu"] == pytest.approx(48 / 47 * 128 * 1e6 / 1e9)
     assert events.segments([], 8, 128) is None
+
+
+def test_goodput_counts_a_background_save_from_its_stall_not_its_commit() -> None:
+    """A background save of step 4 stalls training until 30 and is committed at 33 (``done_at`` 30): the steps
+    kept are those up to 30, as for a synchronous save that ended at 30; its stall (0.2 s) counts, its writing
+    (overlapped with training) does not."""
+    evs = [
+        _ev("start", 10, world_size=2, step=0, startup_s=10),
+        _ev("checkpoint", 33, step=4, save_s=0.2, write_s=2.5, done_at=30.0),
+        _ev("failure", 38, rank=0, why="another rank is gone"),
+        _ev("start", 50, world_size=2, step=4, startup_s=5),
+        _ev("finish", 62, step=6, samples=48),
+    ]
+    g = events.goodput(evs)
+    assert g is not None
+    assert g["productive_s"] == pytest.approx((30 - 10 - 0.2) + (62 - 50))
+    assert g["failures"][0]["redone_s"] == pytest.approx(8.0)  # 30 to 38, not 33 to 38
+    assert g["checkpoint_stall_s"] == pytest.approx(0.2)
+    seg = events.segments(evs, global_batch=8, seq_len=128)
+    assert seg is not None
+    assert seg["segments"][0]["seconds"] == pytest.approx(30 - 10 - 0.2)
     assert events.read(Path("/nonexistent")) == []  # a run with no events file yet
 
 
