@@ -241,6 +241,15 @@ def test_half_written_and_damaged_checkpoints(bert_data, straight_run, tmp_path)
     assert losses(run_dir)[5] == losses(straight_run)[5]  # step 5 redone from step 4's state, exactly
 
 
+def launcher_and_ranks(proc: subprocess.Popen) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """The ``deepspeed.launcher.launch`` process under a ``deepspeed`` command, and its 2 train.py ranks."""
+    launchers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "deepspeed.launcher.launch" in " ".join(p.cmdline())]  # fmt: skip
+    ranks = [p for p in launchers[0].children() if "train.py" in " ".join(p.cmdline())]
+    assert len(ranks) == 2, ranks
+    return launchers, ranks
+
+
 def signal_running_job(bert_data, run_dir: Path, port: int, target: str, *extra: str) -> tuple[int, str]:
     """Start a long 2-rank job, wait for its second step, SIGTERM ``target``: "rank1", "launcher"
     (``deepspeed.launcher.launch``), "runner" (the ``deepspeed`` command alone) or "group" (the job's whole
@@ -259,10 +268,7 @@ def signal_running_job(bert_data, run_dir: Path, port: int, target: str, *extra:
             time.sleep(0.5)
         else:
             pytest.fail("training did not start")
-        launchers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                     if "deepspeed.launcher.launch" in " ".join(p.cmdline())]  # fmt: skip
-        ranks = [p for p in launchers[0].children() if "train.py" in " ".join(p.cmdline())]
-        assert len(ranks) == 2
+        launchers, ranks = launcher_and_ranks(proc)
         if target == "group":
             os.killpg(proc.pid, signal.SIGTERM)
         else:
@@ -515,10 +521,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(bert_data, tmp_path):
         while not ((run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2):
             assert time.time() < deadline and proc.poll() is None, "training did not start"
             time.sleep(0.5)
-        launch = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                  if "deepspeed.launcher.launch" in " ".join(p.cmdline())]  # fmt: skip
-        ranks = [p for p in launch[0].children() if "train.py" in " ".join(p.cmdline())]
-        assert len(ranks) == 2, ranks
+        _, ranks = launcher_and_ranks(proc)
         t0 = time.time()
         ranks[1].send_signal(signal.SIGSTOP)
         psutil.wait_procs(ranks[:1], timeout=90)
