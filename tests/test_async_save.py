@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -18,10 +19,26 @@ from common.net import free_port
 from training import checkpoint
 from training.trainer import StepReduction
 
-LATE_STEPS = 3  # rank 1 starts its part this many steps after rank 0
+LATE_STEPS = 3  # rank 1's write is held back this many steps
+
+
+class HeldBack:
+    """Pickles (in rank 1's writer thread) only once ``flag`` exists: a write still in progress."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def __reduce__(self):
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.flag) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return (str, ("released",))
 
 
 def _rank_main(rank: int, world: int, ckpt: str, fail_rank: int, out: str, port: int) -> None:
+    """The trainer's protocol, step by step: report in the step's collective; when every rank's files are
+    durable rank 0 commits; the next step's collective says whether the commit stood; a failure anywhere
+    ends in ``finish`` on every rank."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -32,32 +49,32 @@ def _rank_main(rank: int, world: int, ckpt: str, fail_rank: int, out: str, port:
         if rank == fail_rank:  # a write that cannot succeed: its directory is a file
             (tag_dir / "not_a_dir").write_text("")
             target = tag_dir / "not_a_dir" / "part.pt"
-        writes = [({"w": torch.full((256, 256), float(rank)), "step": 10}, str(target))]
+        release = Path(out) / "release"
+        state = {"w": torch.full((256, 256), float(rank)), "held": HeldBack(str(release)) if rank == 1 else 0}
         client = {"step": 10} if rank == 0 else None
+        save = checkpoint.BackgroundSave(ckpt_dir, 10, rank, [(state, str(target))], client)
         reduction = StepReduction(torch.device("cpu"))
         reduction.name_pieces({"loss": torch.zeros(())})
         seen: list[tuple[int, bool]] = []  # (ranks written, failed) as every step's collective told
-        save = None
-        step = 0
-        while True:
+        deadline = time.monotonic() + 120
+        step = 10
+        while time.monotonic() < deadline:
             step += 1
-            if save is None and (rank == 0 or step > LATE_STEPS):
-                save = checkpoint.BackgroundSave(ckpt_dir, 10, rank, writes, client)
+            if rank == 1 and step == 10 + LATE_STEPS:
+                release.touch()
             reduction.launch(step, torch.zeros(1), False, save)
             reduction.read()
             seen.append((reduction.saves_written, reduction.save_failed))
-            if reduction.save_failed or reduction.saves_written == world or step > 2000:
+            if reduction.save_failed or save.committed:
                 break
-        result: dict = {"seen": seen, "error": None}
-        assert save is not None
-        if reduction.save_failed:
-            try:
-                save.finish(keep=3)
-            except UserError as e:
-                result["error"] = str(e)
-        elif reduction.saves_written == world:
-            save.commit(keep=3)
-        dist.barrier()
+            if reduction.saves_written == world:
+                save.commit(keep=3)
+            time.sleep(0.005)
+        result: dict = {"seen": seen, "error": None, "committed": save.committed}
+        try:
+            save.finish(keep=3)
+        except UserError as e:
+            result["error"] = str(e)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
@@ -74,13 +91,15 @@ def test_commit_waits_for_every_rank(tmp_path: Path) -> None:
     ranks = run_ranks(ckpt, tmp_path / "out", fail_rank=-1)
     seen = ranks[0]["seen"]
     assert seen == ranks[1]["seen"]  # every rank learns the same thing at the same step
-    assert all(written < 2 for written, _ in seen[:LATE_STEPS]), "counted before rank 1 had written"
+    assert all(written < 2 for written, _ in seen[: LATE_STEPS - 1]), "counted while rank 1 was writing"
     assert seen[-1] == [2, False] and not any(failed for _, failed in seen)
+    assert ranks[0]["committed"] and ranks[0]["error"] is None and ranks[1]["error"] is None
     assert checkpoint.read_latest(ckpt) == "step00000010"
     assert checkpoint.tag_problem(ckpt, "step00000010") is None
     files = json.loads((ckpt / "step00000010" / "COMPLETE").read_text())["files"]
     assert {"part_rank0.pt", "part_rank1.pt", "client_state.json"} <= set(files)
-    assert torch.load(ckpt / "step00000010" / "part_rank1.pt")["w"].eq(1.0).all()
+    part = torch.load(ckpt / "step00000010" / "part_rank1.pt", weights_only=False)
+    assert part["w"].eq(1.0).all() and part["held"] == "released"
 
 
 def test_a_failed_write_reaches_every_rank_as_one_line(tmp_path: Path) -> None:
@@ -89,9 +108,23 @@ def test_a_failed_write_reaches_every_rank_as_one_line(tmp_path: Path) -> None:
     (ckpt / "latest").write_text("step00000005\n")  # what an earlier commit left: untouched
     ranks = run_ranks(ckpt, tmp_path / "out", fail_rank=1)
     assert ranks[0]["seen"] == ranks[1]["seen"] and ranks[0]["seen"][-1][1], "both ranks saw the failure"
-    assert ranks[0]["error"] == ranks[1]["error"]
+    assert ranks[0]["error"] == ranks[1]["error"] and not ranks[0]["committed"]
     error = ranks[0]["error"]
     assert error.startswith(f"saving checkpoint {ckpt / 'step00000010'} (in the background) failed on node ")
     assert "(rank 1): " in error and "not_a_dir" in error and "\n" not in error
     assert not (ckpt / "step00000010").exists()  # rank 0 removed the partial tag
     assert (ckpt / "latest").read_text() == "step00000005\n"
+
+
+def test_a_failed_commit_reaches_every_rank_as_one_line(tmp_path: Path) -> None:
+    """Every rank's files are durable but rank 0 cannot write ``latest`` (here it is a directory): the next
+    step's collective tells rank 1, and both end with rank 0's line; the tag is removed."""
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "latest").mkdir(parents=True)
+    ranks = run_ranks(ckpt, tmp_path / "out", fail_rank=-1)
+    assert ranks[0]["seen"] == ranks[1]["seen"]
+    assert ranks[0]["seen"][-2] == [2, False] and ranks[0]["seen"][-1][1], (
+        "the commit's failure came a step later"
+    )
+    assert ranks[0]["error"] == ranks[1]["error"] and "(rank 0): " in ranks[0]["error"]
+    assert not (ckpt / "step00000010").exists()

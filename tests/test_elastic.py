@@ -142,6 +142,7 @@ def test_goodput_arithmetic() -> None:
     assert total["sequences_per_sec_per_device"] == pytest.approx(48 / (18 * 2 + 11))  # per device-second
     assert total["mfu"] == pytest.approx(48 / 47 * 128 * 1e6 / 1e9)
     assert events.segments([], 8, 128) is None
+    assert events.read(Path("/nonexistent")) == []  # a run with no events file yet
 
 
 def test_goodput_counts_a_background_save_from_its_stall_not_its_commit() -> None:
@@ -163,7 +164,18 @@ def test_goodput_counts_a_background_save_from_its_stall_not_its_commit() -> Non
     seg = events.segments(evs, global_batch=8, seq_len=128)
     assert seg is not None
     assert seg["segments"][0]["seconds"] == pytest.approx(30 - 10 - 0.2)
-    assert events.read(Path("/nonexistent")) == []  # a run with no events file yet
+
+    # SIGTERM after step 6 of a start at step 4: step 5's background save is committed after the sigterm event
+    # is written; the segment still ends at step 6
+    stopped = [
+        _ev("start", 10, world_size=2, step=4, startup_s=10),
+        _ev("sigterm", 40, rank=1, step=6, why="SIGTERM"),
+        _ev("checkpoint", 41, step=5, save_s=0.5, write_s=2.0, done_at=35.0),
+    ]
+    seg = events.segments(stopped, global_batch=8, seq_len=128)
+    assert seg is not None
+    (only,) = seg["segments"]
+    assert only["to_step"] == 6 and only["seconds"] == pytest.approx(40 - 10 - 0.5)
 
 
 def test_events_file_round_trip_and_torn_line(tmp_path: Path) -> None:

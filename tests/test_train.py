@@ -434,7 +434,6 @@ def test_async_save_that_fills_the_disk_fails_cleanly(bert_data, tmp_path):
         run_dir = tmp_path / "run"
         args = common(bert_data, run_dir, f"checkpoint.dir={ckpt}", "train.eval_every=0", "train.steps=16",
                       "checkpoint.async_save=true")  # fmt: skip
-        t0 = time.time()
         full = deepspeed(args)
         errors = [ln for ln in full.stderr.splitlines() if ln.startswith("error:")]
         assert full.returncode != 0 and len(errors) == 1, full.stderr[-3000:]
@@ -443,8 +442,7 @@ def test_async_save_that_fills_the_disk_fails_cleanly(bert_data, tmp_path):
         assert "Traceback" not in full.stderr
         assert not (ckpt / "step00000008").exists()
         assert (ckpt / "latest").read_text().strip() == "step00000004"
-        assert max(losses(run_dir)) <= 12  # it stopped
-        assert time.time() - t0 < 120, "the ranks did not end together"
+        assert max(losses(run_dir)) <= 12  # it stopped (a hung rank would time the run out instead)
 
 
 @pytest.mark.parametrize("which", ["run.dir", "checkpoint.dir"])

@@ -254,12 +254,9 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
         error = _describe_write_error(e, ckpt_dir)
     failed = collectives.first_failure(error)  # the commit vote, also the commit barrier
     if failed:
-        if rank == 0:  # the partial tag goes at once: its space is what a full disk lacks
-            shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+        _give_up(ckpt_dir, tag, rank)
         raise UserError(_failed_save(ckpt_dir, tag, failed))
-    if rank == 0:
-        _commit(ckpt_dir, tag, keep)
-    collectives.barrier()
+    _voted_commit(ckpt_dir, tag, keep, rank)
     return tag
 
 
@@ -281,6 +278,33 @@ def _start_save(engine, ckpt_dir: Path, tag: str, rank: int) -> dict[str, Any]:
     return {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
 
 
+def _give_up(ckpt_dir: Path, tag: str, rank: int) -> None:
+    """Rank 0 removes a tag that failed (its space is what a full disk lacks), unless ``latest`` already names
+    it (a commit that failed after its last rename: the tag is whole)."""
+    if rank == 0 and read_latest(ckpt_dir) != tag:
+        shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
+
+
+def _try_commit(ckpt_dir: Path, tag: str, keep: int, rank: int) -> str | None:
+    """Rank 0 commits; the error (one line) if it could not, None otherwise and on other ranks."""
+    if rank != 0:
+        return None
+    try:
+        _commit(ckpt_dir, tag, keep)
+    except OSError as e:
+        return _describe_write_error(e, ckpt_dir)
+    return None
+
+
+def _voted_commit(ckpt_dir: Path, tag: str, keep: int, rank: int) -> None:
+    """Rank 0 commits and every rank learns whether it could (a full disk can refuse even COMPLETE): the same
+    one line on every rank, instead of rank 0 failing alone while the others wait for it."""
+    failed = collectives.first_failure(_try_commit(ckpt_dir, tag, keep, rank))
+    if failed:
+        _give_up(ckpt_dir, tag, rank)
+        raise UserError(_failed_save(ckpt_dir, tag, failed))
+
+
 def _commit(ckpt_dir: Path, tag: str, keep: int) -> None:
     """Rank 0, once every rank's files of ``tag`` are durable: COMPLETE (listing them), then ``latest``;
     older tags beyond ``keep`` and their universal conversions go."""
@@ -297,8 +321,9 @@ def _commit(ckpt_dir: Path, tag: str, keep: int) -> None:
 
 
 def _host_copy(obj: Any, memo: dict | None = None) -> Any:
-    """A copy of a state dict whose tensors live in host memory and no longer change with training. Tensors
-    that are the same view of one storage (tied weights) stay one tensor, so the file does not grow."""
+    """A copy of a state dict that no longer changes with training: tensors copied to host memory, other
+    objects deep-copied. Tensors that are the same view of one storage (tied weights) stay one tensor, so the
+    file does not grow."""
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
@@ -318,20 +343,30 @@ def _host_copy(obj: Any, memo: dict | None = None) -> Any:
         if hasattr(obj, "_fields"):  # a named tuple takes its fields one by one
             return type(obj)(*items)
         return type(obj)(items)  # a tuple, or a subclass such as torch.Size
-    return obj
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, torch.dtype, torch.device)):
+        return obj  # immutable
+    return copy.deepcopy(obj)  # anything else can change with training (a live loss scaler): a snapshot
 
 
 class _CapturedWrites:
     """While active, DeepSpeed's checkpoint engine hands each state dict it would write to us, copied to
-    host memory, instead of writing it (the background save writes it)."""
+    host memory, instead of writing it (the background save writes it). A copy that fails is recorded, not
+    raised, so this rank still reaches DeepSpeed's barriers and reports it with the others."""
 
     def __init__(self, engine) -> None:
         self.engine = engine.checkpoint_engine
         self.writes: list[tuple[Any, str]] = []
+        self.error: str | None = None
 
     def __enter__(self) -> _CapturedWrites:
         def save(state_dict: Any, path: str, *args: Any, **kwargs: Any) -> None:
-            self.writes.append((_host_copy(state_dict), str(path)))
+            if self.error is not None:
+                return
+            try:
+                self.writes.append((_host_copy(state_dict), str(path)))
+            except Exception as e:  # host memory, or a state object that cannot be copied
+                self.writes = []
+                self.error = f"copying {Path(path).name} to host memory failed: {type(e).__name__}: {e}"
 
         self.engine.save = save  # an instance attribute: shadows the class's method until __exit__
         return self
@@ -346,16 +381,20 @@ class BackgroundSave:
     The commit protocol is the synchronous save's: the tag is committed (COMPLETE, then ``latest``) only
     once every rank's files are written and fsynced. Each rank learns that the others are done through the
     step's collective (``StepReduction``: ``written`` and ``failed`` are this rank's part of it); nothing
-    waits on files another rank should have written, so a full disk cannot leave one rank waiting for a
-    marker another could not write. ``finish`` is the synchronous ending: wait, vote, commit or fail on
-    every rank with the same line.
+    waits on files another rank should have written. ``commit`` is rank 0's part once every rank reported
+    its files written; a commit that fails sets ``error`` like a failed write, for the next step's collective.
+    ``finish`` is the synchronous ending: wait, vote, commit (unless done), vote: every rank raises the same
+    line on a failure.
     """
 
     def __init__(self, ckpt_dir: Path, step: int, rank: int, writes: list[tuple[Any, str]],
-                 client_state: dict[str, Any] | None) -> None:  # fmt: skip
+                 client_state: dict[str, Any] | None, error: str | None = None) -> None:  # fmt: skip
         self.ckpt_dir, self.step, self.tag, self.rank = ckpt_dir, step, tag_for(step), rank
-        self.error: str | None = None
+        self.error = error  # set before the thread starts: nothing is written
         self.write_s = 0.0
+        self.committed = False
+        self.reported_step = step  # the step after which the ranks' next report is awaited
+        self._ok = False
         self._writes, self._client = writes, client_state
         self._thread = threading.Thread(target=self._run, name=f"save-{self.tag}", daemon=True)
         self._thread.start()
@@ -364,14 +403,18 @@ class BackgroundSave:
         t0 = time.perf_counter()
         where = self.ckpt_dir / self.tag
         try:
-            for state, target in self._writes:
-                with atomic_path(target) as tmp:
-                    torch.save(state, tmp)
-            if self._client is not None:
-                atomic_write_json(where / "client_state.json", self._client)
-            fsync_tree(where, self.rank)
+            if self.error is None:
+                for state, target in self._writes:
+                    with atomic_path(target) as tmp:
+                        torch.save(state, tmp)
+                if self._client is not None:
+                    atomic_write_json(where / "client_state.json", self._client)
+                fsync_tree(where, self.rank)
+                self._ok = True
         except (OSError, RuntimeError) as e:
             self.error = _describe_write_error(e, self.ckpt_dir)
+        except BaseException as e:  # whatever stops the writer, its files are not whole: never committed
+            self.error = f"the writer thread failed: {type(e).__name__}: {e}"
         finally:
             self._writes = []  # the host copies go now
             self.write_s = time.perf_counter() - t0
@@ -379,30 +422,31 @@ class BackgroundSave:
     @property
     def written(self) -> bool:
         """This rank's files are written and durable."""
-        return not self._thread.is_alive() and self.error is None
+        return not self._thread.is_alive() and self._ok and self.error is None
 
     @property
     def failed(self) -> bool:
         return not self._thread.is_alive() and self.error is not None
 
-    def commit(self, keep: int) -> None:
-        """Every rank reported its files written (through the step's collective): rank 0 commits."""
+    def commit(self, keep: int) -> bool:
+        """Every rank reported its files written (through the step's collective): rank 0 commits. False
+        when the commit failed (``error`` says why; the next step's collective tells every rank)."""
         self._thread.join()
-        if self.rank == 0:
-            _commit(self.ckpt_dir, self.tag, keep)
+        self.error = _try_commit(self.ckpt_dir, self.tag, keep, self.rank)
+        self.committed = self.error is None
+        return self.committed
 
     def finish(self, keep: int) -> None:
-        """Every rank at the same point: wait for this rank's writes, then vote as the synchronous save does.
-        Commits when every rank's files are durable; otherwise rank 0 removes the tag and every rank raises
-        the same one line."""
+        """Every rank at the same point: wait for this rank's writes, vote, commit unless done already, vote
+        on the commit. On a failure rank 0 removes the tag and every rank raises the same one line."""
         self._thread.join()
         failed = collectives.first_failure(self.error)
         if failed:
-            if self.rank == 0:  # its space is what a full disk lacks
-                shutil.rmtree(self.ckpt_dir / self.tag, ignore_errors=True)
+            _give_up(self.ckpt_dir, self.tag, self.rank)
             raise UserError(_failed_save(self.ckpt_dir, self.tag, failed, "(in the background) "))
-        self.commit(keep)
-        collectives.barrier()
+        if not self.committed:
+            _voted_commit(self.ckpt_dir, self.tag, keep, self.rank)
+            self.committed = True
 
 
 def save_in_background(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any]) -> BackgroundSave:
@@ -418,16 +462,20 @@ def save_in_background(engine, ckpt_dir: Path, step: int, client_state: dict[str
         )
     writes = [*capture.writes, (rng_state(), str(ckpt_dir / tag / f"rng_rank{rank}.pt"))]
     client = {"format": FORMAT, **client_state} if rank == 0 else None
-    return BackgroundSave(ckpt_dir, step, rank, writes, client)
+    return BackgroundSave(ckpt_dir, step, rank, writes, client, error=capture.error)
 
 
 def _failed_save(ckpt_dir: Path, tag: str, failed: tuple[str, str, int], how: str = "") -> str:
+    """The one line every rank raises; the same on every rank whether or not rank 0 removed the tag yet."""
     why, host, r = failed
-    previous = latest_complete(ckpt_dir)
-    return (
-        f"saving checkpoint {ckpt_dir / tag} {how}failed on node {host} (rank {r}): {why}; nothing of it was "
-        f"committed and {ckpt_dir / LATEST} still names {previous or 'no checkpoint'}"
-    )
+    named = read_latest(ckpt_dir)
+    head = f"saving checkpoint {ckpt_dir / tag} {how}failed on node {host} (rank {r}): {why}"
+    if named == tag:  # the commit failed after its last rename (an fsync): the checkpoint is whole and kept
+        return f"{head}; {ckpt_dir / LATEST} names it already and the next start resumes from it"
+    older = [t for t in complete_tags(ckpt_dir) if t != tag]
+    previous = named if named in older else (older[-1] if older else None)
+    still = previous or "no checkpoint"
+    return f"{head}; nothing of it was committed and {ckpt_dir / LATEST} still names {still}"
 
 
 class _GuardedWrites:

@@ -175,7 +175,8 @@ def segments(
         stepped = [ev for ev in body if ev["event"] in ("checkpoint", "sigterm", "finish") and "step" in ev]
         if not stepped:
             continue
-        last = stepped[-1]
+        last = max(stepped, key=lambda ev: (int(ev["step"]), _at(ev)))  # a background save's commit can be
+        # recorded after a later step's event (a SIGTERM)
         steps = int(last["step"]) - int(start.get("step", 0))
         stall = sum(float(ev.get("save_s", 0.0)) for ev in body if ev["event"] == "checkpoint" and _at(ev)
                     <= _at(last))  # fmt: skip

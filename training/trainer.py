@@ -510,19 +510,7 @@ class Trainer:
                               save_s=round(self.last_save_s, 4))  # fmt: skip
         return tag
 
-    def _commit_pending_save(self, *, vote: bool) -> None:
-        """Commit the background save in flight: at once when every rank reported its files durable through
-        the step's collective, or (``vote``) after waiting for this rank's writes and a vote, as a
-        synchronous save ends. A failure seen by any rank raises the same one line on every rank."""
-        pending, self.pending_save = self.pending_save, None
-        if pending is None:
-            return
-        t0 = time.perf_counter()
-        if vote:
-            pending.finish(self.ckpt.keep)
-        else:
-            pending.commit(self.ckpt.keep)
-        self.clock.save_s += time.perf_counter() - t0  # waiting for it stalls training too
+    def _committed(self, pending: checkpoint.BackgroundSave) -> None:
         self.full_save_s = (self.last_save_s or 0.0) + pending.write_s
         log.info(
             f"saved checkpoint {self.ckpt_dir / pending.tag} (written in the background in "
@@ -533,10 +521,42 @@ class Trainer:
                           tag=pending.tag, save_s=round(self.last_save_s or 0.0, 4),
                           write_s=round(pending.write_s, 4), done_at=self._stall_done_at)  # fmt: skip
 
+    def _follow_pending_save(self, reduction: StepReduction, step: int) -> bool:
+        """What the step's collective says of the background save in flight: every rank's files are durable
+        (rank 0 commits now), the commit stood (the save is done), or a rank failed: False, and every rank
+        stops at this step (``finish_pending_save`` raises the line)."""
+        pending = self.pending_save
+        if pending is None or reduction.step <= pending.reported_step:
+            return True
+        if reduction.save_failed:
+            log.warning(f"stopping after step {step}: a background checkpoint save failed")
+            return False
+        if pending.committed:  # and no rank reported the commit failed
+            self.pending_save = None
+        elif reduction.saves_written == self.world:
+            was_running = self.clock.running
+            self.clock.close()  # rank 0's commit (COMPLETE, latest, old tags removed) is not training time
+            t0 = time.perf_counter()
+            if pending.commit(self.ckpt.keep):
+                self._committed(pending)
+            self.clock.save_s += time.perf_counter() - t0
+            pending.reported_step = step  # the next collective says whether the commit stood
+            if was_running:
+                self.clock.open()
+        return True
+
     def finish_pending_save(self) -> None:
         """Every rank at the same point: wait for the background save in flight (if any) and commit it, or
-        raise its failure."""
-        self._commit_pending_save(vote=True)
+        raise its failure (the same line on every rank)."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        already = pending.committed
+        pending.finish(self.ckpt.keep)
+        self.clock.save_s += time.perf_counter() - t0  # waiting for it stalls training too
+        if not already:
+            self._committed(pending)
 
     def _timed_eval(self) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -562,13 +582,9 @@ class Trainer:
                 self.clock.warmup_s = self.clock.steps_outside(t_loop)
             lr = self.train_step(reduction)
             step = self.state.step
-            if self.pending_save is not None and reduction.step > self.pending_save.step:
-                if reduction.save_failed:  # every rank sees it at this step: stop; raised after the loop
-                    log.warning(f"stopping after step {step}: a background checkpoint save failed")
-                    stopped = "save_failed"
-                    break
-                if reduction.saves_written == self.world:
-                    self._commit_pending_save(vote=False)
+            if not self._follow_pending_save(reduction, step):
+                stopped = "save_failed"  # every rank at this step; finish_pending_save raises the line
+                break
             if self.clock.running:
                 self.clock.measured_steps += 1
             do_eval = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
