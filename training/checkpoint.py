@@ -234,7 +234,7 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
     tag = tag_for(step)
     rank = collectives.rank()
     extra = _start_save(engine, ckpt_dir, tag, rank)
-    guard = _GuardedWrites(engine)
+    guard = _EngineWrites(engine, engine.checkpoint_engine.save, (OSError, RuntimeError))
     error = None
     try:
         with (
@@ -348,33 +348,6 @@ def _host_copy(obj: Any, memo: dict | None = None) -> Any:
     return copy.deepcopy(obj)  # anything else can change with training (a live loss scaler): a snapshot
 
 
-class _CapturedWrites:
-    """While active, DeepSpeed's checkpoint engine hands each state dict it would write to us, copied to
-    host memory, instead of writing it (the background save writes it). A copy that fails is recorded, not
-    raised, so this rank still reaches DeepSpeed's barriers and reports it with the others."""
-
-    def __init__(self, engine) -> None:
-        self.engine = engine.checkpoint_engine
-        self.writes: list[tuple[Any, str]] = []
-        self.error: str | None = None
-
-    def __enter__(self) -> _CapturedWrites:
-        def save(state_dict: Any, path: str, *args: Any, **kwargs: Any) -> None:
-            if self.error is not None:
-                return
-            try:
-                self.writes.append((_host_copy(state_dict), str(path)))
-            except Exception as e:  # host memory, or a state object that cannot be copied
-                self.writes = []
-                self.error = f"copying {Path(path).name} to host memory failed: {type(e).__name__}: {e}"
-
-        self.engine.save = save  # an instance attribute: shadows the class's method until __exit__
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        del self.engine.save
-
-
 class BackgroundSave:
     """A checkpoint whose files a thread writes while training goes on (``checkpoint.async_save``).
 
@@ -392,6 +365,8 @@ class BackgroundSave:
         self.ckpt_dir, self.step, self.tag, self.rank = ckpt_dir, step, tag_for(step), rank
         self.error = error  # set before the thread starts: nothing is written
         self.write_s = 0.0
+        self.stall_s = 0.0  # set by the caller: the training stall it caused,
+        self.done_at = 0.0  # and when that stall ended (time.time())
         self.committed = False
         self.reported_step = step  # the step after which the ranks' next report is awaited
         self._ok = False
@@ -455,14 +430,24 @@ def save_in_background(engine, ckpt_dir: Path, step: int, client_state: dict[str
     tag = tag_for(step)
     rank = collectives.rank()
     extra = _start_save(engine, ckpt_dir, tag, rank)
-    capture = _CapturedWrites(engine)
+    writes: list[tuple[Any, str]] = []
+    capture = _EngineWrites(
+        engine,
+        lambda state_dict, path, *args, **kwargs: writes.append((_host_copy(state_dict), str(path))),
+        Exception,  # host memory, or a state object that cannot be copied
+    )
     with capture:
         engine.save_checkpoint(
             str(ckpt_dir), tag=tag, client_state={"client": client_state, **extra}, save_latest=False
         )
-    writes = [*capture.writes, (rng_state(), str(ckpt_dir / tag / f"rng_rank{rank}.pt"))]
+    error = None
+    if capture.error is not None:
+        e = capture.error
+        error = f"copying {Path(capture.failed_path).name} to host memory failed: {type(e).__name__}: {e}"
+        writes = []
+    writes.append((rng_state(), str(ckpt_dir / tag / f"rng_rank{rank}.pt")))
     client = {"format": FORMAT, **client_state} if rank == 0 else None
-    return BackgroundSave(ckpt_dir, step, rank, writes, client, error=capture.error)
+    return BackgroundSave(ckpt_dir, step, rank, writes, client, error=error)
 
 
 def _failed_save(ckpt_dir: Path, tag: str, failed: tuple[str, str, int], how: str = "") -> str:
@@ -478,26 +463,27 @@ def _failed_save(ckpt_dir: Path, tag: str, failed: tuple[str, str, int], how: st
     return f"{head}; nothing of it was committed and {ckpt_dir / LATEST} still names {still}"
 
 
-class _GuardedWrites:
-    """While active, DeepSpeed's checkpoint engine records the first error of its file writes instead of
-    raising it (and skips the writes after it), so the failing rank still reaches DeepSpeed's barriers and
-    the commit vote, and every rank learns of the failure at once instead of waiting out the collective
-    timeout."""
+class _EngineWrites:
+    """While active, each file DeepSpeed's checkpoint engine would write goes to ``write(state_dict, path)``
+    instead: the engine's own save (a synchronous save) or a copy to host memory (a background save). The
+    first error of ``catch`` is recorded instead of raised (and the writes after it are skipped), so the
+    failing rank still reaches DeepSpeed's barriers and the vote, and every rank learns of the failure at once
+    instead of waiting out the collective timeout."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, write: Callable[..., Any], catch: type[BaseException] | tuple) -> None:
         self.engine = engine.checkpoint_engine
+        self.write, self.catch = write, catch
         self.error: BaseException | None = None
+        self.failed_path = ""
 
-    def __enter__(self) -> _GuardedWrites:
-        real = self.engine.save
-
-        def save(*args: Any, **kwargs: Any) -> Any:
+    def __enter__(self) -> _EngineWrites:
+        def save(state_dict: Any, path: str, *args: Any, **kwargs: Any) -> Any:
             if self.error is not None:
                 return None
             try:
-                return real(*args, **kwargs)
-            except (OSError, RuntimeError) as e:
-                self.error = e
+                return self.write(state_dict, path, *args, **kwargs)
+            except self.catch as e:
+                self.error, self.failed_path = e, str(path)
                 return None
 
         self.engine.save = save  # an instance attribute: shadows the class's method until __exit__

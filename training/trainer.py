@@ -278,7 +278,6 @@ class Trainer:
         self.last_save_s: float | None = None  # the training stall of the newest save
         self.full_save_s: float | None = None  # a whole save's duration (the grace check after SIGTERM)
         self.pending_save: checkpoint.BackgroundSave | None = None
-        self._stall_done_at = 0.0  # when the newest background save's stall ended (time.time())
         self.device = engine.device
         self._iter: Iterator[dict[str, torch.Tensor]] | None = None
         self.last_eval: dict[str, float] = {}
@@ -491,17 +490,18 @@ class Trainer:
         self.finish_pending_save()  # its wait is part of this save's stall (and of checkpoint.every=auto's C)
         t1 = time.perf_counter()
         step = self.state.step
+        pending = None
         if background:
-            self.pending_save = checkpoint.save_in_background(self.engine, self.ckpt_dir, step,
-                                                              self.client_state())  # fmt: skip
-            tag = self.pending_save.tag
+            pending = checkpoint.save_in_background(self.engine, self.ckpt_dir, step, self.client_state())
+            tag = pending.tag
         else:
             tag = checkpoint.save(self.engine, self.ckpt_dir, step, self.client_state(), self.ckpt.keep)
         self.last_save_s = time.perf_counter() - t0
         self.clock.save_s += time.perf_counter() - t1  # the wait above is counted where it happened
         self._last_saved = step
-        if background:
-            self._stall_done_at = time.time()
+        if pending is not None:
+            pending.stall_s, pending.done_at = self.last_save_s, time.time()
+            self.pending_save = pending
         else:
             self.full_save_s = self.last_save_s
             log.info(f"saved checkpoint {self.ckpt_dir / tag}")
@@ -511,15 +511,15 @@ class Trainer:
         return tag
 
     def _committed(self, pending: checkpoint.BackgroundSave) -> None:
-        self.full_save_s = (self.last_save_s or 0.0) + pending.write_s
+        self.full_save_s = pending.stall_s + pending.write_s
         log.info(
             f"saved checkpoint {self.ckpt_dir / pending.tag} (written in the background in "
             f"{pending.write_s:.2f} s)"
         )
         if self.rank == 0:
             events.record(self.run_dir, "checkpoint", attempt=self.attempt, rank=0, step=pending.step,
-                          tag=pending.tag, save_s=round(self.last_save_s or 0.0, 4),
-                          write_s=round(pending.write_s, 4), done_at=self._stall_done_at)  # fmt: skip
+                          tag=pending.tag, save_s=round(pending.stall_s, 4),
+                          write_s=round(pending.write_s, 4), done_at=pending.done_at)  # fmt: skip
 
     def _follow_pending_save(self, reduction: StepReduction, step: int) -> bool:
         """What the step's collective says of the background save in flight: every rank's files are durable
