@@ -93,3 +93,67 @@ def test_collective_tensors_live_on_the_communication_device():
     meta = torch.ones(2, device="meta")
     with pytest.raises(RuntimeError, match="expected cpu"):
         collectives.all_reduce_(meta)
+
+
+def _calls_in_order(func: ast.FunctionDef) -> list[str]:
+    """The dotted names of the calls in a function's body, in source order."""
+    calls = [n for n in ast.walk(func) if isinstance(n, ast.Call)]
+    return [ast.unparse(c.func) for c in sorted(calls, key=lambda c: (c.lineno, c.col_offset))]
+
+
+def _function(path: Path, name: str) -> ast.FunctionDef:
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    return next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_each_rank_binds_its_device_before_any_collective():
+    """engine.start() binds LOCAL_RANK's device before the process group exists, and train.py's run() calls
+    start() before anything that can issue a collective (the start-up checks' object collectives used to run
+    on cuda:0 on every rank)."""
+    start = _calls_in_order(_function(REPO / "training/engine.py", "start"))
+    assert "bind_device" in start and "deepspeed.init_distributed" in start, start
+    assert start.index("bind_device") < start.index("deepspeed.init_distributed"), start
+    bind = _calls_in_order(_function(REPO / "training/engine.py", "bind_device"))
+    assert "acc.set_device" in bind and "device_for" in bind, bind
+    run = _calls_in_order(_function(REPO / "train.py", "run"))
+    first_start = run.index("ds_engine.start")
+    before = run[:first_start]
+    assert not [c for c in before if c.startswith(("collectives.", "checkpoint.", "check_run_dir"))], before
+
+
+def test_device_for_a_local_rank(monkeypatch):
+    from common.errors import UserError
+    from training.engine import device_for
+
+    assert [device_for(r, 8) for r in range(8)] == list(range(8))
+    assert device_for(0, 1) == 0  # two ranks sharing one GPU both start with LOCAL_RANK=0
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with pytest.raises(UserError) as e:
+        device_for(2, 2)
+    text = str(e.value)
+    assert "LOCAL_RANK=2" in text and "shows 2" in text and "CUDA_VISIBLE_DEVICES=2,3" in text, text
+    with pytest.raises(UserError, match="LOCAL_RANK=0 has no device of its own: this node shows 0"):
+        device_for(0, 0)
+
+
+def test_peer_lost_reads_gloo_and_nccl_errors(tmp_path):
+    """The errors a lost or hung peer raises, in gloo's and NCCL's words (NCCL's after the watchdog aborted
+    the communicators: engine.start sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2), are read as a lost peer; a
+    device error or one raised before any process group exists is not."""
+    import torch.distributed as dist
+
+    from training.collectives import _TIMED_OUT, peer_lost
+
+    nccl_abort = RuntimeError("NCCL communicator was aborted on rank 1. Original reason for failure was: ...")
+    watchdog = RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, ...)")
+    gloo_reset = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+    device = RuntimeError("CUDA error: an illegal memory access was encountered")
+    assert peer_lost(gloo_reset) is None  # no process group yet: a launch problem, not a lost peer
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert peer_lost(nccl_abort) == "another rank is hung or gone (NCCL aborted the communicator)"
+        assert peer_lost(watchdog) == _TIMED_OUT
+        assert peer_lost(gloo_reset) == "another rank is gone (its connection was reset)"
+        assert peer_lost(device) is None
+    finally:
+        dist.destroy_process_group()

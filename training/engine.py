@@ -115,9 +115,44 @@ def start(cfg: Config) -> None:
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
+    bind_device()  # before the process group: its first collectives run on this rank's own device
+    if backend_for(section) == "nccl":
+        # A lost or hung peer: the watchdog aborts the communicators and the blocked wait returns, so our
+        # handler can end the rank with one line (the default, 3, tears the process down with SIGABRT).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     timeout = datetime.timedelta(seconds=section.timeout_s)
     bound_every_group(timeout)
     deepspeed.init_distributed(dist_backend=backend_for(section), timeout=timeout, verbose=False)
+
+
+def device_for(local_rank: int, device_count: int) -> int:
+    """The accelerator a rank computes on: its local rank's. Two ranks share one device only when started so
+    (both with ``LOCAL_RANK=0``, as the GPU tier does under gloo)."""
+    if 0 <= local_rank < device_count:
+        return local_rank
+    envs = ", ".join(f"{e}={os.environ.get(e, '(unset)')}" for e in _visible_envs())
+    raise UserError(
+        f"LOCAL_RANK={local_rank} has no device of its own: this node shows {device_count} ({envs}); start "
+        f"at most {device_count} ranks per node (--num_gpus / --nproc-per-node)"
+    )
+
+
+def _visible_envs() -> list[str]:
+    from deepspeed.accelerator import get_accelerator
+
+    return list(get_accelerator().visible_devices_envs())
+
+
+def bind_device() -> None:
+    """Make ``LOCAL_RANK``'s device this process's current one (the accelerator's ``set_device``), before any
+    collective: DeepSpeed does so only inside ``deepspeed.initialize``, and until then every rank's
+    ``cuda`` meant device 0, where the object collectives of the start-up checks ran. A no-op on the CPU."""
+    if not on_accelerator():
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    acc.set_device(device_for(int(os.environ["LOCAL_RANK"]), acc.device_count()))
 
 
 def bound_every_group(timeout: datetime.timedelta) -> None:
