@@ -14,12 +14,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.errors import EXIT_USER_ERROR, UserError
+from common.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, UserError
 from common.log import get_logger
 from training.config import Config, gradient_accumulation, load_config
 
 log = get_logger("train")
-EXIT_PEER_LOST = 4  # a collective timed out or lost its peer: a rank is hung or gone (not a preemption: 3)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -41,6 +40,7 @@ def run(cfg: Config) -> int:
     from training.build import build_engine, check_run_dir, open_data, scalar_attrs, seed_everything
     from training.metrics import RunSummary, config_fingerprint
     from training.trainer import (
+        DataWatchdog,
         Trainer,
         exit_code,
         next_attempt,
@@ -98,6 +98,7 @@ def run(cfg: Config) -> int:
         peak_flops=peak, run_dir=run_dir,
         ckpt_dir=ckpt_dir, client_static=client_static, attempt=next_attempt(run_dir, rank),
         nodes=node_count(),
+        data_watchdog=DataWatchdog(cfg.deepspeed.timeout_s, cfg.data.num_workers, run_dir),
     )  # fmt: skip
     try:
         if point is not None:

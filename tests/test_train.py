@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, launcher, run_env
+from training import events
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +69,10 @@ def bert_data(tmp_path_factory, wiki_text_dir, wiki_vocab) -> dict[str, Path]:
 def deepspeed(
     args: list[str], ranks: int = 2, timeout: int = 300, env: dict | None = None
 ) -> subprocess.CompletedProcess:
+    """train.py on ``ranks`` ranks: the DeepSpeed launcher, or on a machine with one GPU (the GPU tier)
+    ranks that share it (``one_device``)."""
+    if ranks > 1 and shares_one_gpu():
+        return one_device([*args, "deepspeed.backend=gloo"], ranks, timeout, env)
     cmd = [
         *launcher(ranks),
         "train.py",
@@ -75,6 +81,40 @@ def deepspeed(
     return subprocess.run(
         cmd, cwd=REPO, env=env or run_env(), capture_output=True, text=True, timeout=timeout
     )
+
+
+def shares_one_gpu() -> bool:
+    import torch
+
+    return torch.cuda.device_count() == 1
+
+
+def one_device(args: list[str], ranks: int, timeout: int, env: dict | None) -> subprocess.CompletedProcess:
+    """``ranks`` train.py processes on this machine's one device, each with ``LOCAL_RANK=0`` and its own
+    ``RANK`` (DeepSpeed would otherwise ask for a ``cuda:1`` that does not exist); collectives through gloo.
+    The output is every rank's, in rank order; the exit code the first failing rank's, as the launcher's."""
+    from common.net import free_port
+
+    base = {**(env or run_env()), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(ranks), "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env={**base, "RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(ranks)]  # fmt: skip
+    deadline = time.monotonic() + timeout
+    failed_at = None
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = time.monotonic()  # as the launcher: the others get 30 s, then they are killed
+        if failed_at is not None and time.monotonic() - failed_at > 30:
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    outs = [p.communicate() for p in procs]
+    codes = [p.returncode for p in procs]
+    rc = next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess(args, rc, "".join(o for o, _ in outs), "".join(e for _, e in outs))
 
 
 def common(data: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
@@ -114,6 +154,7 @@ def straight_run(bert_data, tmp_path_factory) -> Path:
     return run_dir
 
 
+@pytest.mark.cuda  # on the GPU tier too: 2 ranks sharing its one GPU
 def test_run_writes_metrics_and_summary(straight_run):
     summary = json.loads((straight_run / "summary.json").read_text())
     for key in (
@@ -177,12 +218,15 @@ def single(args: list[str]) -> subprocess.CompletedProcess:
                           text=True, timeout=300)  # fmt: skip
 
 
+@pytest.mark.cuda  # on the GPU tier too: 2 ranks sharing its one GPU
 def test_resume_is_exact(bert_data, straight_run, tmp_path):
     run_dir = tmp_path / "run"
-    first = deepspeed(common(bert_data, run_dir, "train.stop_at_step=4"))
+    # overlap_comm off here, on (the default) in the straight run: on a GPU the two must train the same
+    # (on the CPU it is always off)
+    first = deepspeed(common(bert_data, run_dir, "train.stop_at_step=4", "deepspeed.overlap_comm=false"))
     assert first.returncode == 3, first.stderr[-3000:]  # like SIGTERM: saved, stopped early
     assert sorted(losses(run_dir)) == [1, 2, 3, 4]
-    second = deepspeed(common(bert_data, run_dir))
+    second = deepspeed(common(bert_data, run_dir, "deepspeed.overlap_comm=false"))
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout + second.stderr
     assert losses(run_dir) == losses(straight_run)  # identical values, step by step
@@ -397,6 +441,7 @@ def test_disk_full_during_a_save_fails_cleanly(bert_data, tmp_path):
         assert (ckpt / "latest").read_text().strip() == "step00000008"
 
 
+@pytest.mark.cuda  # on the GPU tier too: 2 ranks sharing its one GPU
 def test_async_save_commits_and_resumes_exactly(bert_data, straight_run, tmp_path):
     """checkpoint.async_save: the checkpoints of steps 2, 4 and 6 are written while training goes on, each
     committed with every file of both ranks, and a resume from step 6 repeats the uninterrupted run's losses
@@ -544,6 +589,55 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(bert_data, tmp_path):
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), "ranks left running"
 
 
+def test_a_stalled_data_loader_ends_its_rank_with_one_line(bert_data, tmp_path):
+    """SIGSTOP rank 1's DataLoader worker mid-run (a worker stuck on a stalled filesystem): once its queued
+    batches are used, rank 1 waits for data; its watchdog ends it within deepspeed.timeout_s with one line
+    naming its data loader and the node, and records the failure."""
+    run_dir, timeout_s = tmp_path / "run", 12
+    cmd = [*launcher(2, port=29700 + os.getpid() % 100), "train.py",
+           *common(bert_data, run_dir, "train.steps=100000", f"deepspeed.timeout_s={timeout_s}",
+                   "data.num_workers=1", "logging.every=50", "train.eval_every=0",
+                   "checkpoint.every=0")]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    workers: list = []
+    try:
+        deadline = time.time() + 180
+        while not ((run_dir / "metrics.jsonl").exists() and losses(run_dir)):
+            assert time.time() < deadline and proc.poll() is None, "training did not start"
+            time.sleep(0.2)
+        _, ranks = launcher_and_ranks(proc)
+        rank1 = next(r for r in ranks if "--local_rank=1" in r.cmdline())
+        workers = rank1.children()
+        assert workers, "rank 1 has no DataLoader worker"
+        t0 = time.time()
+        for w in workers:
+            w.send_signal(signal.SIGSTOP)
+        psutil.wait_procs([rank1], timeout=150)
+        rank1_ended = time.time()
+        output, _ = proc.communicate(timeout=120)
+        ended_s = time.time() - t0
+    finally:
+        for w in workers:
+            with contextlib.suppress(psutil.Error):
+                w.kill()
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    line = f"error: rank 1 on {socket.gethostname()}: its data loader gave no batch for {timeout_s} s"
+    mine = [ln for ln in output.splitlines() if ln.startswith(line)]
+    assert len(mine) == 1 and "data.num_workers=1" in mine[0], output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    failures = [e for e in events.read(run_dir) if e["event"] == "failure" and e["rank"] == 1]
+    assert len(failures) == 1 and failures[0]["why"] == "data loader stalled", failures
+    # the rank waited the bound (and a watchdog poll) for its next batch, then ended at once
+    assert timeout_s <= failures[0]["waited_s"] < timeout_s + 2, failures
+    assert rank1_ended - failures[0]["time"] < 5, rank1_ended - failures[0]["time"]
+    # the queued batches first (at most a few hundred rows per rank), then the bound; the stopped worker
+    # does not hold the launcher's 30 s grace
+    assert ended_s < timeout_s + 25, f"ended {ended_s:.0f} s after the worker stopped\n{output[-3000:]}"
+
+
 def test_sigterm_saves_and_exits_with_distinct_code(bert_data, long_run, tmp_path):
     run_dir = tmp_path / "run"
     # one rank is enough: the ranks agree to stop together
@@ -628,6 +722,7 @@ def test_neox_trains_and_reports_perplexity(gpt_data, tmp_path):
     assert last < first
 
 
+@pytest.mark.cuda  # on the GPU tier too: 2 ranks sharing its one GPU
 def test_zero3_builds_partitioned_trains_resumes_and_exports(gpt_data, tmp_path):
     """ZeRO-3 builds the model under zero.Init (each rank holds half of it from the start), trains, resumes
     exactly from an earlier checkpoint and exports the whole model."""

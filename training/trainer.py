@@ -17,6 +17,7 @@ Waiting for data is counted only inside the window, so ``data_wait_fraction`` li
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -25,6 +26,7 @@ import re
 import resource
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -34,6 +36,7 @@ from typing import Any
 
 import torch
 
+from common.errors import EXIT_PEER_LOST
 from common.log import get_logger
 from training import checkpoint, collectives, events
 from training.config import CheckpointSection, LoggingSection, TrainSection
@@ -179,6 +182,69 @@ class StopRequest:
                     return
 
 
+class DataWatchdog:
+    """Ends this rank when its next training batch does not come within ``deepspeed.timeout_s``.
+
+    A DataLoader worker stuck on a stalled filesystem (or, with ``data.num_workers=0``, the main thread's own
+    read) would make the rank wait forever: nothing else bounds that wait, while its peers time out in their
+    next collective. A daemon thread watches the wait; past the bound it prints one line naming the data
+    loader and the node, records a ``failure`` event and ends the process with ``EXIT_PEER_LOST`` (the job
+    resumes from its last checkpoint), without a teardown that would wait on the stuck loader.
+    """
+
+    def __init__(self, timeout_s: float, num_workers: int, run_dir: Path, on_stall: Any = None) -> None:
+        self.timeout_s = timeout_s
+        self.num_workers = num_workers
+        self.run_dir = run_dir
+        self.on_stall = on_stall or self._end_rank
+        self._since: float | None = None  # time.monotonic() when the current wait began
+        self._thread: threading.Thread | None = None
+
+    def begin(self) -> None:
+        self._since = time.monotonic()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="data-watchdog", daemon=True)
+            self._thread.start()
+
+    def end(self) -> None:
+        self._since = None
+
+    def _watch(self) -> None:
+        poll = min(1.0, self.timeout_s / 10)
+        while True:
+            time.sleep(poll)
+            since = self._since
+            if since is not None and time.monotonic() - since > self.timeout_s:
+                self.on_stall(self.describe(time.monotonic() - since))
+                return
+
+    def describe(self, waited_s: float) -> str:
+        who = (f"one of its {self.num_workers} DataLoader worker(s) (data.num_workers={self.num_workers})"
+               if self.num_workers > 0 else "its own read (data.num_workers=0)")  # fmt: skip
+        return (
+            f"its data loader gave no batch for {waited_s:.0f} s (deepspeed.timeout_s={self.timeout_s:g}): "
+            f"{who} is stuck, e.g. on a stalled filesystem"
+        )
+
+    def _end_rank(self, why: str) -> None:
+        import psutil
+
+        rank = collectives.rank()
+        events.record(self.run_dir, "failure", rank=rank, why="data loader stalled",
+                      waited_s=round(time.monotonic() - (self._since or time.monotonic()), 3))  # fmt: skip
+        print(
+            f"error: rank {rank} on {socket.gethostname()}: {why}; the job ends here and resumes from its "
+            "last checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        # The stuck workers would hold the launcher's SIGTERM-then-wait on this rank's process tree (30 s).
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        os._exit(EXIT_PEER_LOST)
+
+
 class StepReduction:
     """Per step, one collective of [loss pieces..., stop flag, saves written, saves failed]; read on the host
     without stalling the device. The last two count the ranks whose part of a background checkpoint save
@@ -211,7 +277,9 @@ class StepReduction:
                                 save is not None and save.failed)):  # fmt: skip
             if on:
                 flags[i] = 1.0
-        vec = torch.cat([sums.to(torch.float64), flags])
+        # the loss sums live on the compute device, the collective on the communication device (the CPU
+        # under gloo, also with a GPU): one tensor on the latter
+        vec = torch.cat([sums.to(self.device, torch.float64), flags])
         collectives.all_reduce_(vec, "sum")
         self.read()  # the previous step's values: complete by now
         assert self.host is not None
@@ -254,6 +322,7 @@ class Trainer:
         eval_set=None,
         attempt: int = 1,
         nodes: int = 1,
+        data_watchdog: DataWatchdog | None = None,
     ) -> None:
         self.engine = engine
         self.loader = loader
@@ -285,6 +354,7 @@ class Trainer:
         self.metrics_file = run_dir / "metrics.jsonl"
         self._last_saved = -1
         self.nodes = nodes
+        self.data_watchdog = data_watchdog
         self._auto_next: int | None = None  # checkpoint.every=auto: the step of the next save
         self._auto_mark = (0.0, 0)  # (perf_counter, step) at the end of the newest save
 
@@ -332,12 +402,19 @@ class Trainer:
     # ------------------------------------------------------------------ steps
     def _next_batch(self) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
-        # Loading must not touch the global RNG that dropout draws from: starting the loader's workers
-        # draws a base seed, and a resumed run starts them at a different step than an uninterrupted one.
-        with torch.random.fork_rng(devices=[]):
-            if self._iter is None:
-                self._iter = iter(self.loader)
-            batch = next(self._iter)
+        watchdog = self.data_watchdog
+        if watchdog is not None:
+            watchdog.begin()
+        try:
+            # Loading must not touch the global RNG that dropout draws from: starting the loader's workers
+            # draws a base seed, and a resumed run starts them at a different step than an uninterrupted one.
+            with torch.random.fork_rng(devices=[]):
+                if self._iter is None:
+                    self._iter = iter(self.loader)
+                batch = next(self._iter)
+        finally:
+            if watchdog is not None:
+                watchdog.end()
         if self.clock.running:
             self.clock.data_wait_s += time.perf_counter() - t0
         if self.device.type == "cuda":  # a copy from pinned memory does not make the host wait for the device
