@@ -3,11 +3,11 @@
 # GPT-NeoX shards from the bundled enwiki sample, run a short one-GPU training, then the GPU test tier
 # (pytest -m cuda).
 #   bash scripts/gpu.sh BUNDLE_DIR     (BUNDLE_DIR from scripts/gpu_bundle.sh; see docs/offline-install.md)
-# Environment: OUT (default runs/gpu): logs, data, runs and pytest results; PYTHON (default python3; in a venv
-# made with --system-site-packages when the system Python is "externally managed"); SMOKE_STEPS (default 20,
-# 0 skips the training run); PYTEST_ARGS: more pytest arguments.
-# The tests find the data through WIKIPRETRAIN_SAMPLE_DUMP (the sample .bz2) and WIKIPRETRAIN_GPU_DATA
-# (OUT/data: vocab.txt, tokenizer.json, bert128/{train,eval}, gpt512/{train,eval}).
+# Environment: OUT (default runs/gpu): logs, data, runs and pytest results; PYTHON (default python3): the
+# interpreter that already holds the GPU build of torch (on the GPU image, python3 is itself a venv with
+# torch, transformers, accelerate and pytest); everything is installed into it, never into a new venv, which
+# would lose that torch. SMOKE_STEPS (default 20, 0 skips the training run); PYTEST_ARGS: more pytest
+# arguments. The tests build their own shards from WIKIPRETRAIN_SAMPLE_DUMP (the bundle's sample .bz2).
 set -euo pipefail
 BUNDLE=${1:?usage: bash scripts/gpu.sh BUNDLE_DIR}
 if [ ! -f "$BUNDLE/MANIFEST.json" ]; then
@@ -28,6 +28,11 @@ if [ -z "$DUMP" ]; then
   exit 2
 fi
 
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "error: $PY: import torch sees no CUDA device (torch missing, a CPU build, or no GPU visible)" >&2
+  exit 2
+fi
+
 echo "== 1/5 install from $BUNDLE (pip --no-index)"
 { nvidia-smi || true; } > "$OUT/nvidia-smi.txt" 2>&1
 "$PY" -m pip freeze > "$OUT/pip-freeze-before.txt"  # TARGET_FREEZE for the next bundle
@@ -36,9 +41,11 @@ if [ -f pyproject.toml ] && [ -f train.py ]; then
   # A checkout: run its code, not the wheel's copy (the bundle carries setuptools for the offline build).
   "$PY" -m pip install --no-index --find-links "$BUNDLE" --no-deps -e . 2>&1 | tee -a "$OUT/pip-install.log"
 fi
-"$PY" -c "import torch, deepspeed, training
-print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'deepspeed', deepspeed.__version__,
-      'project', training.__file__)"
+"$PY" -c "import torch, deepspeed, transformers, training
+print('device', torch.cuda.get_device_name(), 'torch', torch.__version__, 'cuda', torch.version.cuda,
+      'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__, 'project', training.__file__)" \
+  | tee "$OUT/versions.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv >> "$OUT/versions.txt" 2>&1 || true
 
 D=$OUT/data
 echo "== 2/5 text and tokenizers from $DUMP"
@@ -59,7 +66,7 @@ echo "== 3/5 BERT shards (seq 128) and GPT-NeoX shards (seq 512)"
   --seq-len 512 --overwrite
 "$PY" -m data gpt --text "$D/text-eval" --tokenizer "$D/tokenizer.json" --out "$D/gpt512/eval" \
   --seq-len 512 --overwrite
-export WIKIPRETRAIN_SAMPLE_DUMP=$DUMP WIKIPRETRAIN_GPU_DATA=$D
+export WIKIPRETRAIN_SAMPLE_DUMP=$DUMP
 
 if [ "$SMOKE_STEPS" -gt 0 ]; then
   echo "== 4/5 bert-debug on one GPU with DeepSpeed, $SMOKE_STEPS steps"

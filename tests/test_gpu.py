@@ -1,8 +1,12 @@
-"""The GPU tier (``pytest -m cuda``): one-GPU train.py runs under NCCL with real DeepSpeed.
+"""The GPU tier (``pytest -m cuda``): train.py runs with real DeepSpeed on the GPU.
 
-bert-debug and neox-debug, ZeRO 1 and 2, BF16, LANS and AdamW; checkpoint and resume with identical losses in
-deterministic mode; export. ``scripts/gpu.sh`` installs from the offline bundle and runs this tier on a GPU
-machine.
+Here: one-GPU runs under NCCL (bert-debug and neox-debug, ZeRO 1 and 2, BF16, LANS and AdamW; deterministic
+resume; export with logits equal to the training model's), FP32 accuracy against a float64 CPU run, and LANS
+on its intended path. Also on the tier, from tests/test_train.py (marked ``cuda`` there, run on the CPU in
+CI too): 2 ranks sharing the one GPU under gloo (``one_device``: both with ``LOCAL_RANK=0``), which exercises
+ZeRO-2 partitioning with ``overlap_comm`` on and off (the two must train the same), LANS's per-tensor
+all-reduce, the step reduction, the background save's vote, a resume, and ZeRO-3 under ``zero.Init``.
+``scripts/gpu.sh`` installs from the offline bundle and runs this tier on a GPU machine.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from tests.conftest import REPO, run_env
 from tests.test_train import bert_data, common, deepspeed, gpt_data, losses  # noqa: F401 (fixtures)
+from training import events
 
 pytestmark = [
     pytest.mark.cuda,
@@ -33,6 +38,17 @@ def summary(run_dir):
     return json.loads((run_dir / "summary.json").read_text())
 
 
+def assert_mfu(s: dict) -> None:
+    """On a device the peak table knows (H100, H200, ...), MFU is a number in (0, 1]: a misread device name
+    (MFU None) fails here."""
+    from training.devices import peak_flops
+
+    if peak_flops(s["device_kind"]) is not None:
+        assert s["mfu"] is not None and 0 < s["mfu"] <= 1, s["mfu"]
+    else:
+        assert s["mfu"] is None, (s["device_kind"], s["mfu"])
+
+
 @pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("optimizer", ["lans", "adamw"])
 def test_bert_trains_on_one_gpu(bert_data, tmp_path, zero, optimizer):  # noqa: F811
@@ -43,7 +59,23 @@ def test_bert_trains_on_one_gpu(bert_data, tmp_path, zero, optimizer):  # noqa: 
     assert res.returncode == 0, res.stderr[-3000:]
     s = summary(run_dir)
     assert s["device_kind"] != "cpu" and s["zero_stage"] == zero and s["steps"] == 8
-    assert s["mfu"] is None or 0 < s["mfu"] <= 1
+    assert_mfu(s)
+    assert "using the eager foreach implementation" not in res.stderr  # LANS/LAMB did not fall back
+    ls = losses(run_dir)
+    assert all(v == v for v in ls.values()) and ls[8] < ls[1]
+
+
+def test_lamb_activation_checkpointing_and_background_saves_on_one_gpu(bert_data, tmp_path):  # noqa: F811
+    run_dir = tmp_path / "run"
+    res = deepspeed(common(bert_data, run_dir, *NCCL, "optimizer.name=lamb",
+                           "model.activation_checkpointing=true", "checkpoint.async_save=true",
+                           "checkpoint.every=2"), ranks=1)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    s = summary(run_dir)
+    assert s["optimizer"] == "lamb" and s["steps"] == 8
+    assert_mfu(s)
+    saves = [e for e in events.read(run_dir) if e["event"] == "checkpoint"]
+    assert [e["step"] for e in saves] == [2, 4, 6, 8] and all("write_s" in e for e in saves[:3]), saves
     ls = losses(run_dir)
     assert all(v == v for v in ls.values()) and ls[8] < ls[1]
 
@@ -83,5 +115,88 @@ def test_export_from_a_gpu_run(bert_data, tmp_path):  # noqa: F811
     assert res.returncode == 0, res.stderr[-3000:]
     from transformers import AutoModelForPreTraining
 
-    model = AutoModelForPreTraining.from_pretrained(out)
-    assert sum(p.numel() for p in model.parameters()) > 0
+    from model.registry import get_spec
+    from training.checkpoint import read_latest
+    from training.export import consolidated_state
+
+    exported = AutoModelForPreTraining.from_pretrained(out).cuda().eval()
+    ckpt = run_dir / "checkpoints"
+    state = consolidated_state(ckpt, read_latest(ckpt))
+    spec = get_spec("bert-debug", vocab_size=exported.config.vocab_size, dropout=0.0)
+    from model.registry import family_of
+
+    training_model = family_of(spec).build(spec, "sdpa")
+    training_model.load_state_dict(state)
+    training_model = training_model.cuda().eval()
+    ids = torch.randint(1000, exported.config.vocab_size, (2, 64), device="cuda")
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ours = training_model.hf(input_ids=ids, attention_mask=mask).prediction_logits
+        theirs = exported(input_ids=ids, attention_mask=mask).prediction_logits
+    assert torch.allclose(ours, theirs, rtol=1e-4, atol=1e-4), (ours - theirs).abs().max()
+
+
+def _fp32_vs_fp64_errors(batch: dict, device: str) -> tuple[float, float]:
+    """bert-debug (dropout 0) loss and gradients on ``batch``: the FP32 run on ``device`` and the FP32 CPU
+    run, each as its largest relative error against the float64 CPU run of the same weights and samples."""
+    from model.registry import family_of, get_spec
+
+    spec = get_spec("bert-debug", vocab_size=8000, dropout=0.0)
+    torch.manual_seed(0)
+    reference = family_of(spec).build(spec, "sdpa")
+
+    def run(dev: str, dtype: torch.dtype) -> list[torch.Tensor]:
+        import copy
+
+        model = copy.deepcopy(reference).to(device=dev, dtype=dtype).train()
+        out = model(**{k: v.to(dev) for k, v in batch.items()})
+        out["loss"].backward()
+        return [out["loss"].detach().double().cpu()] + [
+            p.grad.detach().double().cpu() for p in model.parameters() if p.grad is not None
+        ]
+
+    exact = run("cpu", torch.float64)
+
+    # A gradient that is zero in exact arithmetic (an attention key's bias: softmax ignores it) is noise in
+    # float64 too; each tensor's error is relative to its own norm, but at least a thousandth of the whole.
+    floor = 1e-3 * float(torch.cat([e.flatten() for e in exact[1:]]).norm())
+
+    def error(got: list[torch.Tensor]) -> float:
+        """The largest relative error of the loss and of each parameter's gradient."""
+        return max(float((g - e).norm()) / max(float(e.norm()), floor) for g, e in zip(got, exact))
+
+    return error(run(device, torch.float32)), error(run("cpu", torch.float32))
+
+
+def test_fp32_on_the_gpu_is_as_accurate_as_fp32_on_the_cpu(bert_data):  # noqa: F811
+    """With dropout 0 and TF32 off, the GPU's FP32 loss and gradients are no further from a float64 CPU run
+    of the same samples than 2x the FP32 CPU run's distance."""
+    from data.loader import PretrainingLoader
+
+    loader = PretrainingLoader(bert_data["train"], "bert", micro_batch=8, grad_accum=1, dp_rank=0, dp_world=1,
+                               num_workers=0)  # fmt: skip
+    batch = next(iter(loader))
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        gpu, cpu = _fp32_vs_fp64_errors(batch, "cuda")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+    assert cpu > 0 and gpu <= 2 * cpu, (gpu, cpu)
+
+
+def test_lans_takes_its_intended_path_on_the_gpu():
+    """impl=auto resolves to the compiled ("fused") kernels on CUDA, with no fallback warning."""
+    import warnings
+
+    from training.lans import LANS
+
+    params = [torch.nn.Parameter(torch.randn(300, 300, device="cuda")), torch.nn.Parameter(torch.randn(300,
+              device="cuda"))]  # fmt: skip
+    opt = LANS(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback warns: here it fails the test
+        opt.step()
+    assert opt.last_impl == "fused"

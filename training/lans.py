@@ -350,6 +350,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
         self.impl = impl
+        self.last_impl: str | None = None  # the path the latest step ran (tests: no silent fallback)
         # False: parameter groups with weight_decay 0 get trust ratio 1 (NVIDIA FusedLAMB's default).
         self.trust_no_decay = bool(trust_no_decay)
         # id(flat partition tensor) -> layout; filled by attach_zero(); absent = "each tensor is whole".
@@ -488,7 +489,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         lans = self._lans
         device = ms[0].device if ms else group["params"][0].device
-        impl = self._resolve_impl(device)
+        impl = self.last_impl = self._resolve_impl(device)
         seg = torch.tensor(tensor_index, dtype=torch.long, device=device)
         nfrag = len(ws)
         # Fragments for the C++ kernels ("native"; impl "cpu"), the compiled kernels ("big": large ones;
