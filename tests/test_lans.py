@@ -18,6 +18,7 @@ from tests.conftest import REPO, run_env
 from training import lans as lans_mod
 from training.config import load_config
 from training.lans import LAMB, LANS, build_optimizer, param_groups, sum_of_squares
+from training.zero_map import GroupLayout
 
 
 class Tiny(torch.nn.Module):
@@ -214,6 +215,75 @@ def test_zero_map_does_not_import_lans() -> None:
             imported |= {f"{node.module}.{a.name}" for a in node.names}
     assert "torch" in imported  # the walk sees the module's imports
     assert not [m for m in imported if m == "training.lans" or m.startswith("training.lans.")]
+
+
+def test_fragments_an_implementation_does_not_take_go_to_its_fallback() -> None:
+    """ "cpu" hands gradients other than fp32 / bf16 to the foreach ops, "fused" fragments under
+    fused_min_numel; "foreach" takes everything."""
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float32]
+    params = [torch.nn.Parameter(torch.randn(n).to(dt)) for n, dt in zip([100, 10, 100, 10, 10], dtypes)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = LANS(params, lr=0.01)
+    opt.fused_min_numel = 50
+    frags = opt._collect(opt.param_groups[0])
+    assert frags is not None and len(frags) == 5
+    routes = {}
+    for kernels in (lans_mod._CppKernels, lans_mod._CompiledKernels, lans_mod._ForeachKernels):
+        k = kernels(frags, range(len(frags)), opt)
+        routes[k.name] = (k.idx, k.rest and (type(k.rest).__name__, k.rest.idx, k.rest.rest))
+    assert routes == {
+        "cpu": ([0, 2, 4], ("_ForeachKernels", [1, 3], None)),
+        "fused": ([0, 2], ("_ForeachKernels", [1, 3, 4], None)),
+        "foreach": ([0, 1, 2, 3, 4], None),
+    }
+    assert lans_mod.IMPLS == ("auto", "cpu", "fused", "foreach")
+
+
+@pytest.mark.parametrize("impl", ["cpu", "fused", "foreach"])
+@pytest.mark.parametrize("cls", [LANS, LAMB])
+def test_zero_layout_all_reduces_once_per_phase(cls, impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flat partition described by a layout (one tensor in two fragments, as at a ZeRO rank boundary):
+    one all-reduce of per-tensor sums per phase (LANS: ||g||^2, then ||r'||^2, ||c'||^2, ||w||^2; LAMB: the
+    second), and the same step as the tensors optimised whole, up to the order of the float64 sums."""
+    calls: list[tuple[int, ...]] = []
+
+    def allreduce(sums: torch.Tensor, pg: object) -> torch.Tensor:
+        calls.append(tuple(sums.shape))
+        return sums  # a group of one rank
+
+    monkeypatch.setattr(lans_mod, "allreduce_sums", allreduce)
+    torch.manual_seed(9)
+    numels = [70_001, 300, 40]
+    init = [torch.randn(n) for n in numels]
+    flat = torch.nn.Parameter(torch.cat(init))
+    layout = GroupLayout(
+        starts=[0, 50_000, 70_001, 70_301],
+        numels=[50_000, 20_001, 300, 40],
+        tensor_index=[0, 0, 1, 2],
+        num_tensors=3,
+        partition_numel=flat.numel(),
+        tensor_numels=numels,
+        process_group=object(),
+    )
+    whole = [torch.nn.Parameter(t.clone()) for t in init]
+    opts = {"flat": cls([flat], lr=0.05, impl=impl), "whole": cls(whole, lr=0.05, impl=impl)}
+    opts["flat"].set_layouts({id(flat): layout})
+    for opt in opts.values():
+        opt.fused_min_numel = 1000  # "fused": both fragments of the first tensor compiled, the rest foreach
+    for step in range(3):
+        torch.manual_seed(30 + step)
+        grads = [torch.randn(n) for n in numels]
+        flat.grad = torch.cat(grads)
+        for p, g in zip(whole, grads):
+            p.grad = g.clone()
+        for opt in opts.values():
+            opt.step()
+        assert opts["flat"].last_impl == opts["whole"].last_impl == impl
+    per_step = [(3,), (3, 3)] if cls is LANS else [(3, 3)]
+    assert calls == per_step * 3
+    torch.testing.assert_close(flat.detach(), torch.cat([p.detach() for p in whole]), rtol=1e-6, atol=1e-7)
+    assert not torch.equal(flat.detach(), torch.cat(init))
 
 
 def test_zero_weights_take_unscaled_step() -> None:

@@ -22,15 +22,21 @@ The kernels compute r and c up to a positive per-tensor factor (r = k_r r', c = 
 corrections folded into eps and the weight-decay coefficient); the trust-ratio step only needs the direction
 and the norm, so ``||w|| r / ||r|| = ||w|| r' / ||r'||``; the factor is applied explicitly when a ratio is 1.
 
-Three implementations of the element-wise work, same maths:
+Three implementations of the element-wise work, same maths, each a subclass of ``_Kernels`` (moments, sums
+of squares, update, per fragment). The group step does the per-tensor part (norms, all-reduces, trust
+ratios) and hands the fragments to the implementation ``impl`` names; one that does not take a fragment
+hands it to its ``fallback``:
 
-- ``"cpu"``: C++ kernels (``training/csrc/lans_cpu.cpp``), one call per phase over all fragments of a group;
-  the moment update and the sums of squares of r', c', w share one pass, and the update of w recomputes r'
-  and c' rather than storing them: 12 memory passes per step against AdamW-foreach's ~20. They take fp32 or
-  bf16 gradients; fragments with other gradients (float64, fp16) go through the foreach ops instead.
-- ``"fused"``: three ``torch.compile``-d kernels per fragment (moments; sums of squares; update) for
-  fragments of 64k elements or more, the foreach ops for the rest: 15 passes. The accelerator path.
-- ``"foreach"``: eager ``torch._foreach_*`` ops over the fragment lists; needs no compiler.
+- ``"cpu"`` (``_CppKernels``): C++ kernels (``training/csrc/lans_cpu.cpp``), one call per phase over all
+  fragments of a group; the moment update and the sums of squares of r', c', w share one pass, and the
+  update of w recomputes r' and c' rather than storing them: 12 memory passes per step against
+  AdamW-foreach's ~20. They take fp32 or bf16 gradients; fragments with other gradients (float64, fp16) go
+  to the foreach ops instead.
+- ``"fused"`` (``_CompiledKernels``): three ``torch.compile``-d kernels per fragment (moments; sums of
+  squares; update) for fragments of 64k elements or more, the foreach ops for the rest: 15 passes. The
+  accelerator path.
+- ``"foreach"`` (``_ForeachKernels``): eager ``torch._foreach_*`` ops over the fragment lists; needs no
+  compiler.
 
 ``impl="auto"`` takes ``cpu`` for CPU tensors and ``fused`` elsewhere, and falls back (with a warning) to
 ``fused`` / ``foreach`` when a build fails.
@@ -50,8 +56,10 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable
-from typing import Any
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -59,7 +67,6 @@ from common.errors import UserError
 from training.zero_map import GroupLayout, allreduce_sums, build_layouts
 
 NO_DECAY_MARKERS = ("bias", "LayerNorm", "layer_norm", "norm")
-IMPLS = ("auto", "cpu", "fused", "foreach")
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -212,16 +219,6 @@ def _compiled(name: str) -> Callable:
 _CPU_EXT: list = []  # [module or None] once tried
 
 
-def _cpu_takes(g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the C++ kernels accept this fragment (their checks, in lans_cpu.cpp's check_group)."""
-    return (
-        g.device.type == "cpu"
-        and g.dtype in (torch.float32, torch.bfloat16)
-        and g.is_contiguous()
-        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (w, m, v))
-    )
-
-
 def _cpu_kernels(required: bool = False) -> Any:
     """The C++ CPU kernels (``training/csrc/lans_cpu.cpp``), built on first use with torch's extension
     builder and cached under ~/.cache/torch_extensions (a file lock keeps concurrent ranks from building
@@ -319,6 +316,249 @@ def _fused_available(device: torch.device) -> bool:
     return _FUSED_OK[key]
 
 
+# --------------------------------------------------------------------------------------------------------
+# The implementations, behind one interface. The group step (``_LayerwiseAdaptive._step_group``) does the
+# per-tensor part (sums per tensor, all-reduces, trust ratios) and hands the element-wise work on the
+# fragments to one ``_Kernels`` object per group and step.
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class GroupFragments:
+    """One parameter group as the kernels see it: per fragment, 1-D views of w, g, m, v (w, m, v fp32).
+
+    Without ZeRO a fragment is a whole tensor; under ZeRO, the part of a tensor in this rank's flat partition
+    (``training/zero_map.py``), so the norms are summed per tensor (``tensor_index``) and all-reduced.
+    """
+
+    ws: list[torch.Tensor]  # the parameter, or its fp32 master
+    gs: list[torch.Tensor]
+    ms: list[torch.Tensor]
+    vs: list[torch.Tensor]
+    tensor_index: list[int]  # fragment -> tensor of the group
+    num_tensors: int
+    process_group: Any  # the group the per-tensor sums are all-reduced over; None: no all-reduce
+    steps: list[int]  # per fragment: the step number of its tensor, after this step
+    device: torch.device
+    lowp: list[tuple[torch.Tensor, torch.Tensor]]  # (parameter, its fp32 master): cast back after the step
+
+    def __len__(self) -> int:
+        return len(self.ws)
+
+
+class _Kernels(ABC):
+    """One implementation of the element-wise work of a group step (all have the same maths).
+
+    Built for one step of one group with the fragments it is to handle, it keeps those that ``takes``
+    accepts and hands the others to an instance of ``fallback`` (``rest``): the group step calls one object,
+    in this order: ``grad_sumsq`` (LANS only), ``moments_sumsq``, ``update``. ``sc`` and ``a`` hold one row
+    per fragment of the group (see the kernels' comment above). A new implementation is one subclass,
+    listed in ``_KERNELS``.
+    """
+
+    name: ClassVar[str]  # the value of ``impl`` that selects it, and of the optimizer's ``last_impl``
+    fallback: ClassVar[type[_Kernels] | None] = None
+
+    def __init__(self, frags: GroupFragments, idx: Sequence[int], opt: _LayerwiseAdaptive) -> None:
+        self.frags = frags
+        self.lans = opt._lans
+        taken = [self.takes(i, opt) for i in idx]
+        self.idx = [i for i, t in zip(idx, taken) if t]
+        rest = [i for i, t in zip(idx, taken) if not t]
+        self.rest: _Kernels | None = None
+        if rest:
+            assert self.fallback is not None, f"impl {self.name!r} takes every fragment or names a fallback"
+            self.rest = self.fallback(frags, rest, opt)
+
+    @classmethod
+    def usable(cls, device: torch.device) -> bool:
+        """Whether ``impl="auto"`` may take it on this device (the first call may build or compile)."""
+        return True
+
+    @classmethod
+    def require(cls, device: torch.device) -> None:
+        """Raise UserError when it was asked for by name and cannot run here."""
+        return None
+
+    def takes(self, i: int, opt: _LayerwiseAdaptive) -> bool:
+        """Whether fragment ``i`` is ours; the others go to ``fallback``."""
+        return True
+
+    # The group step calls these three; each does our fragments, then has ``rest`` do its own.
+    def grad_sumsq(self, out: torch.Tensor) -> None:
+        """LANS phase 1: out[i] = ||g_i||^2 (float64) for every fragment i handled."""
+        if self.idx:
+            out[self.idx] = self._grad_sumsq()
+        if self.rest is not None:
+            self.rest.grad_sumsq(out)
+
+    def moments_sumsq(self, sc: torch.Tensor, parts: torch.Tensor) -> None:
+        """Update m and v; parts[i] = the sums of squares of r', c', w (float64) over fragment i."""
+        if self.idx:
+            parts[self.idx] = self._moments_sumsq(sc)
+        if self.rest is not None:
+            self.rest.moments_sumsq(sc, parts)
+
+    def update(self, sc: torch.Tensor, a: torch.Tensor) -> None:
+        """w += a[i, 0] r' + a[i, 1] c' on every fragment i handled."""
+        if self.idx:
+            self._update(sc, a)
+        if self.rest is not None:
+            self.rest.update(sc, a)
+
+    # The work on our own fragments (``self.idx``, never empty here).
+    def _grad_sumsq(self) -> torch.Tensor:
+        return sum_of_squares([self.frags.gs[i] for i in self.idx])
+
+    @abstractmethod
+    def _moments_sumsq(self, sc: torch.Tensor) -> torch.Tensor:
+        """Update m, v; return the (len(idx), 3) partial sums of squares of r', c' (0 for LAMB) and w."""
+
+    @abstractmethod
+    def _update(self, sc: torch.Tensor, a: torch.Tensor) -> None: ...
+
+
+class _ForeachKernels(_Kernels):
+    """Eager ``torch._foreach_*`` ops over the fragment lists: needs no compiler, takes every fragment. The
+    moment phase materialises r' and c', and the update reuses them."""
+
+    name = "foreach"
+
+    def __init__(self, frags: GroupFragments, idx: Sequence[int], opt: _LayerwiseAdaptive) -> None:
+        super().__init__(frags, idx, opt)
+        self.r: TensorList = []
+        self.c: TensorList | None = None
+
+    def _moments_sumsq(self, sc: torch.Tensor) -> torch.Tensor:
+        f, idx = self.frags, self.idx
+        ws, gs, ms, vs = ([xs[i] for i in idx] for xs in (f.ws, f.gs, f.ms, f.vs))
+        s, omb1, b2, omb2, epsp, wdr, wdc = sc[idx].t().tolist()
+        gf = [g if g.dtype == torch.float32 else g.float() for g in gs]
+        gt = torch._foreach_mul(gf, s) if self.lans else gf
+        torch._foreach_lerp_(ms, gt, omb1[0])
+        torch._foreach_mul_(vs, b2[0])
+        torch._foreach_addcmul_(vs, gt, gt, omb2[0])
+        b = torch._foreach_sqrt(vs)
+        torch._foreach_add_(b, epsp)
+        self.r = torch._foreach_div(ms, b)
+        _add_scaled(self.r, ws, wdr)
+        rsq, wsq = sum_of_squares(self.r), sum_of_squares(ws)
+        if not self.lans:
+            return torch.stack([rsq, torch.zeros_like(rsq), wsq], dim=1)
+        torch._foreach_div_(gt, b)  # gt is our own temporary here: it becomes c'
+        self.c = gt
+        del b
+        _add_scaled(self.c, ws, wdc)
+        return torch.stack([rsq, sum_of_squares(self.c), wsq], dim=1)
+
+    def _update(self, sc: torch.Tensor, a: torch.Tensor) -> None:
+        ws = [self.frags.ws[i] for i in self.idx]
+        ar, ac = a[self.idx].t().tolist()
+        torch._foreach_mul_(self.r, ar)
+        torch._foreach_add_(ws, self.r)
+        if self.c is not None:
+            torch._foreach_mul_(self.c, ac)
+            torch._foreach_add_(ws, self.c)
+
+
+def _add_scaled(xs: TensorList, ws: TensorList, coef: list[float]) -> None:
+    """xs += coef * ws, coef per fragment (one scalar alpha in the usual case of equal coefficients)."""
+    if len(set(coef)) == 1:
+        if coef[0] != 0.0:
+            torch._foreach_add_(xs, ws, alpha=coef[0])
+    else:
+        torch._foreach_add_(xs, torch._foreach_mul(ws, coef))
+
+
+class _CompiledKernels(_Kernels):
+    """The ``torch.compile``-d kernels, one call per fragment and phase, for fragments of ``fused_min_numel``
+    elements or more; the foreach ops take the rest (biases, norms, ZeRO boundary slivers), where a compiled
+    call's fixed cost (~40 us on CPU) would dominate. The update recomputes r' and c'."""
+
+    name = "fused"
+    fallback = _ForeachKernels
+
+    @classmethod
+    def usable(cls, device: torch.device) -> bool:
+        return _fused_available(device)
+
+    def takes(self, i: int, opt: _LayerwiseAdaptive) -> bool:
+        return self.frags.ws[i].numel() >= opt.fused_min_numel
+
+    def grad_sumsq(self, out: torch.Tensor) -> None:
+        # Ours and the foreach path's in one call (its sums are the same function): one multi-tensor kernel
+        # on accelerators.
+        idx = self.idx + (self.rest.idx if self.rest is not None else [])
+        if idx:
+            out[idx] = sum_of_squares([self.frags.gs[i] for i in idx])
+
+    def _moments_sumsq(self, sc: torch.Tensor) -> torch.Tensor:
+        f = self.frags
+        for gdt in {f.gs[i].dtype for i in self.idx}:
+            _warm_fused(f.device, gdt)
+        moments, sumsq = _compiled("moments"), _compiled("lans_sumsq" if self.lans else "lamb_sumsq")
+        rows = sc.unbind(0)  # row i of the group's table is fragment i's (views: no copies)
+        for i in self.idx:
+            moments(f.gs[i], f.ms[i], f.vs[i], rows[i])
+        parts = torch.stack([sumsq(f.gs[i], f.ws[i], f.ms[i], f.vs[i], rows[i]) for i in self.idx])
+        return parts.to(torch.float64)
+
+    def _update(self, sc: torch.Tensor, a: torch.Tensor) -> None:
+        f = self.frags
+        kern = _compiled("lans_update" if self.lans else "lamb_update")
+        rows, arows = sc.unbind(0), a.unbind(0)
+        for i in self.idx:
+            kern(f.gs[i], f.ws[i], f.ms[i], f.vs[i], rows[i], arows[i])
+
+
+class _CppKernels(_Kernels):
+    """The C++ kernels (``training/csrc/lans_cpu.cpp``), one call per phase over all our fragments. They
+    take fp32 or bf16 gradients; fragments with others (float64, fp16) go to the foreach ops, silently."""
+
+    name = "cpu"
+    fallback = _ForeachKernels
+
+    @classmethod
+    def usable(cls, device: torch.device) -> bool:
+        return device.type == "cpu" and _cpu_kernels() is not None
+
+    @classmethod
+    def require(cls, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise UserError(f"optimizer impl 'cpu' needs CPU parameters (these are on {device})")
+        _cpu_kernels(required=True)
+
+    def takes(self, i: int, opt: _LayerwiseAdaptive) -> bool:
+        """The kernels' own checks (``check_group`` in lans_cpu.cpp)."""
+        f = self.frags
+        g = f.gs[i]
+        return (
+            g.device.type == "cpu"
+            and g.dtype in (torch.float32, torch.bfloat16)
+            and g.is_contiguous()
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (f.ws[i], f.ms[i], f.vs[i]))
+        )
+
+    def __init__(self, frags: GroupFragments, idx: Sequence[int], opt: _LayerwiseAdaptive) -> None:
+        super().__init__(frags, idx, opt)
+        self.ext: Any = _cpu_kernels(required=True) if self.idx else None  # the module (None: no fragments)
+        self.g, self.w, self.m, self.v = ([xs[i] for i in self.idx] for xs in (frags.gs, frags.ws, frags.ms, frags.vs))
+
+    def _grad_sumsq(self) -> torch.Tensor:
+        return self.ext.sum_of_squares(self.g)
+
+    def _moments_sumsq(self, sc: torch.Tensor) -> torch.Tensor:
+        return self.ext.moments_sumsq(self.g, self.w, self.m, self.v, sc[self.idx])
+
+    def _update(self, sc: torch.Tensor, a: torch.Tensor) -> None:
+        self.ext.update(self.g, self.w, self.m, self.v, sc[self.idx], a[self.idx])
+
+
+# The implementations a user may name (``impl``); ``impl="auto"`` takes the first usable one on the device.
+_KERNELS: tuple[type[_Kernels], ...] = (_CppKernels, _CompiledKernels, _ForeachKernels)
+IMPLS = ("auto", *(k.name for k in _KERNELS))
+
+
 class _LayerwiseAdaptive(torch.optim.Optimizer):
     """Shared machinery of LANS and LAMB: layouts, per-tensor norms (optionally all-reduced), two phases."""
 
@@ -372,9 +612,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         if not state:
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(
-                p, dtype=torch.float32, memory_format=torch.contiguous_format
-            )
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             if p.dtype != torch.float32:
                 state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
         return state
@@ -389,25 +627,16 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
                 if not st or pid not in saved_state:
                     continue
                 for key, value in saved_state[pid].items():
-                    if (
-                        torch.is_tensor(value)
-                        and value.dtype == torch.float32
-                        and st[key].dtype != torch.float32
-                    ):
+                    if torch.is_tensor(value) and value.dtype == torch.float32 and st[key].dtype != torch.float32:
                         st[key] = value.to(device=p.device, dtype=torch.float32).clone()
 
     # ---- step ---------------------------------------------------------------------------------------
-    def _resolve_impl(self, device: torch.device) -> str:
-        if self.impl == "cpu":
-            if device.type != "cpu":
-                raise UserError(f"optimizer impl 'cpu' needs CPU parameters (these are on {device})")
-            _cpu_kernels(required=True)
-            return "cpu"
+    def _resolve_impl(self, device: torch.device) -> type[_Kernels]:
         if self.impl == "auto":
-            if device.type == "cpu" and _cpu_kernels() is not None:
-                return "cpu"
-            return "fused" if _fused_available(device) else "foreach"
-        return self.impl
+            return next(k for k in _KERNELS if k.usable(device))
+        kernels = next(k for k in _KERNELS if k.name == self.impl)
+        kernels.require(device)
+        return kernels
 
     # torch.optim.Optimizer.step is declared as two overloads (closure None -> None, closure -> float);
     # this one signature covers both.
@@ -423,8 +652,8 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
             self._step_group(group)
         return loss
 
-    def _collect(self, group: dict) -> tuple | None:
-        """Fragment lists (w, g, m, v as 1-D fp32-state views), fragment->tensor index, #tensors, dp group."""
+    def _collect(self, group: dict) -> GroupFragments | None:
+        """The group's fragments (steps its state); None when no parameter has a gradient."""
         params = group["params"]
         layout = self._layouts.get(id(params[0])) if len(params) == 1 else None
         if self._layouts and layout is None:
@@ -450,7 +679,10 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
             vs = [v.narrow(0, s, n) for s, n in zip(layout.starts, layout.numels)]
             steps = [st["step"] + 1] * len(ws)
             st["step"] += 1
-            return (ws, gs, ms, vs, layout.tensor_index, layout.num_tensors, layout.process_group, steps, [])
+            return GroupFragments(
+                ws, gs, ms, vs, layout.tensor_index, layout.num_tensors, layout.process_group, steps,
+                device=m.device, lowp=[],
+            )  # fmt: skip
         ws, gs, ms, vs, steps, lowp = [], [], [], [], [], []
         for p in params:
             if p.grad is None:
@@ -471,7 +703,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         if not ws:
             return None
         n = len(ws)
-        return (ws, gs, ms, vs, list(range(n)), n, None, steps, lowp)
+        return GroupFragments(ws, gs, ms, vs, list(range(n)), n, None, steps, device=ms[0].device, lowp=lowp)
 
     def _allreduce(self, sums: torch.Tensor, pg: Any) -> torch.Tensor:
         if pg is None:
@@ -482,64 +714,57 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         return out
 
     def _step_group(self, group: dict) -> None:
-        collected = self._collect(group)
-        if collected is None:
+        """Per-tensor norms from per-fragment sums of squares, each all-reduced once (LANS: ||g||, then
+        ||r||, ||c||, ||w|| together; LAMB: the second only); the element-wise work is the kernels'."""
+        f = self._collect(group)
+        if f is None:
             return
-        ws, gs, ms, vs, tensor_index, num_tensors, pg, steps, lowp = collected
-        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        lans = self._lans
-        device = ms[0].device if ms else group["params"][0].device
-        impl = self.last_impl = self._resolve_impl(device)
-        seg = torch.tensor(tensor_index, dtype=torch.long, device=device)
-        nfrag = len(ws)
-        # Fragments for the C++ kernels ("native"; impl "cpu"), the compiled kernels ("big": large ones;
-        # impl "fused") and the eager foreach ops ("small": the rest). For "fused" the rest are biases, norms
-        # and ZeRO boundary slivers, where a compiled call's fixed cost (~40 us on CPU) would dominate; for
-        # "cpu" they are the tensors the C++ kernels do not take (gradients other than fp32 / bf16: float64,
-        # fp16), which take the eager path silently, with the same maths.
-        native: list[int] = []
-        big: list[int] = []
-        if impl == "fused":
-            big = [i for i in range(nfrag) if ws[i].numel() >= self.fused_min_numel]
-            small = [i for i in range(nfrag) if ws[i].numel() < self.fused_min_numel]
-        elif impl == "cpu":
-            takes = [_cpu_takes(gs[i], ws[i], ms[i], vs[i]) for i in range(nfrag)]
-            native = [i for i in range(nfrag) if takes[i]]
-            small = [i for i in range(nfrag) if not takes[i]]
-        else:
-            small = list(range(nfrag))
-
-        cpu = _cpu_kernels(required=True) if native else None
-        if cpu is not None:
-            nat_g, nat_w = [gs[i] for i in native], [ws[i] for i in native]
-            nat_m, nat_v = [ms[i] for i in native], [vs[i] for i in native]
+        kernels_cls = self._resolve_impl(f.device)
+        self.last_impl = kernels_cls.name
+        kernels = kernels_cls(f, range(len(f)), self)
+        seg = torch.tensor(f.tensor_index, dtype=torch.long, device=f.device)
 
         # Phase 1 (LANS only): ||g||^2 per tensor, all-reduced -- the normalisation must precede the moments.
         g_norm = None
-        if lans:
-            gsq = torch.zeros(num_tensors, dtype=torch.float64, device=device)
-            if nfrag:
-                fsq = torch.zeros(nfrag, dtype=torch.float64, device=device)
-                if cpu is not None:
-                    fsq[native] = cpu.sum_of_squares(nat_g)
-                rest = big + small
-                if rest:
-                    fsq[rest] = sum_of_squares([gs[i] for i in rest])
+        if self._lans:
+            gsq = torch.zeros(f.num_tensors, dtype=torch.float64, device=f.device)
+            if len(f):
+                fsq = torch.zeros(len(f), dtype=torch.float64, device=f.device)
+                kernels.grad_sumsq(fsq)
                 gsq.index_add_(0, seg, fsq)
-            g_norm = self._allreduce(gsq, pg).sqrt()
+            g_norm = self._allreduce(gsq, f.process_group).sqrt()
+        sc, k_r, k_c = self._scalars(group, f, g_norm, seg)
 
-        # Per-fragment scalars.
-        step_t = torch.tensor(steps, dtype=torch.float64, device=device)
+        # Phase 2: moments; partial ||r'||^2, ||c'||^2, ||w||^2 per fragment; one all-reduce (LAMB's only).
+        uq = torch.zeros((3, f.num_tensors), dtype=torch.float64, device=f.device)
+        parts = torch.zeros((len(f), 3), dtype=torch.float64, device=f.device)
+        kernels.moments_sumsq(sc, parts)
+        if len(f):
+            uq.index_add_(1, seg, parts.t().contiguous())
+        uq = self._allreduce(uq, f.process_group)
+
+        # Phase 3: update w.
+        if len(f):
+            kernels.update(sc, self._update_coefs(group, uq, seg, k_r, k_c))
+        for p, master in f.lowp:
+            p.copy_(master.view_as(p))
+
+    def _scalars(
+        self, group: dict, f: GroupFragments, g_norm: torch.Tensor | None, seg: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kernels' per-fragment scalars ``sc``, and k_r, k_c (r = k_r r', c = k_c c')."""
+        (b1, b2), eps, wd = group["betas"], group["eps"], group["weight_decay"]
+        step_t = torch.tensor(f.steps, dtype=torch.float64, device=f.device)
         bc1 = 1 - b1**step_t
         bc2 = 1 - b2**step_t
-        k_r = bc2.sqrt() / bc1  # r = k_r * r'
-        k_c = bc2.sqrt()  # c = k_c * c'
-        if lans:
-            assert g_norm is not None  # set in phase 1, under the same condition
+        k_r = bc2.sqrt() / bc1
+        k_c = bc2.sqrt()
+        if self._lans:
+            assert g_norm is not None  # phase 1 ran
             s_t = torch.where(g_norm > 0, 1.0 / (g_norm + eps), torch.ones_like(g_norm))
-            s = s_t[seg] if nfrag else s_t[:0]
+            s = s_t[seg] if len(f) else s_t[:0]
         else:
-            s = torch.ones(nfrag, dtype=torch.float64, device=device)
+            s = torch.ones(len(f), dtype=torch.float64, device=f.device)
         sc = torch.stack(
             [
                 s,
@@ -548,107 +773,31 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
                 torch.full_like(s, 1.0 - b2),
                 eps * bc2.sqrt(),
                 wd / k_r,
-                (wd / k_c) if lans else torch.zeros_like(s),
+                (wd / k_c) if self._lans else torch.zeros_like(s),
             ],
             dim=1,
         ).to(torch.float32)
+        return sc, k_r, k_c
 
-        # Phase 2: moments; partial ||r'||^2, ||c'||^2, ||w||^2 per fragment; one all-reduce (LAMB's only).
-        uq = torch.zeros((3, num_tensors), dtype=torch.float64, device=device)
-        parts = torch.zeros((nfrag, 3), dtype=torch.float64, device=device)
-        if cpu is not None:
-            parts[native] = cpu.moments_sumsq(nat_g, nat_w, nat_m, nat_v, sc[native])
-        if big:
-            for gdt in {gs[i].dtype for i in big}:
-                _warm_fused(device, gdt)
-            moments, sumsq = _compiled("moments"), _compiled("lans_sumsq" if lans else "lamb_sumsq")
-            rows = sc.unbind(0)
-            for i in big:
-                moments(gs[i], ms[i], vs[i], rows[i])
-            big_parts = torch.stack([sumsq(gs[i], ws[i], ms[i], vs[i], rows[i]) for i in big])
-            parts[big] = big_parts.to(torch.float64)
-        if small:
-            sub = (
-                [ws[i] for i in small],
-                [gs[i] for i in small],
-                [ms[i] for i in small],
-                [vs[i] for i in small],
-            )
-            small_parts, r_list, c_list = self._foreach_moments(*sub, sc[small], lans)
-            parts[small] = small_parts
-        if nfrag:
-            uq.index_add_(1, seg, parts.t().contiguous())
-        uq = self._allreduce(uq, pg)
+    def _update_coefs(
+        self, group: dict, uq: torch.Tensor, seg: torch.Tensor, k_r: torch.Tensor, k_c: torch.Tensor
+    ) -> torch.Tensor:
+        """Per fragment (a_r, a_c) with w += a_r r' + a_c c', from the per-tensor ||r'||^2, ||c'||^2, ||w||^2.
+
+        Trust ratio ||w||/||r'|| applied to r' (the k factor cancels); ratio 1 -> explicit factor k.
+        trust_no_decay=False: ratio 1 throughout a group without weight decay (NVIDIA FusedLAMB)."""
+        lr, b1, wd = group["lr"], group["betas"][0], group["weight_decay"]
         r_norm, c_norm, w_norm = uq[0].sqrt(), uq[1].sqrt(), uq[2].sqrt()
-
-        # Trust ratios: ||w||/||r|| applied to r' (the k factor cancels); ratio 1 -> explicit factor k.
-        # trust_no_decay=False: ratio 1 throughout a group without weight decay (NVIDIA FusedLAMB).
-        if nfrag:
-            wn_f, rn_f, cn_f = w_norm[seg], r_norm[seg], c_norm[seg]
-            if not self.trust_no_decay and wd == 0:
-                wn_f = torch.zeros_like(wn_f)
-            coef_r = torch.where((wn_f > 0) & (rn_f > 0), wn_f / rn_f.clamp_min(1e-300), k_r)
-            coef_c = torch.where((wn_f > 0) & (cn_f > 0), wn_f / cn_f.clamp_min(1e-300), k_c)
-            if lans:
-                a = torch.stack([-lr * b1 * coef_r, -lr * (1 - b1) * coef_c], dim=1)
-            else:
-                a = torch.stack([-lr * coef_r, torch.zeros_like(coef_r)], dim=1)
-            a = a.to(torch.float32)
-            # Phase 3: update w (the compiled kernels recompute r', c'; the foreach path kept them).
-            if cpu is not None:
-                cpu.update(nat_g, nat_w, nat_m, nat_v, sc[native], a[native])
-            if big:
-                kern = _compiled("lans_update" if lans else "lamb_update")
-                rows, arows = sc.unbind(0), a.unbind(0)
-                for i in big:
-                    kern(gs[i], ws[i], ms[i], vs[i], rows[i], arows[i])
-            if small:
-                self._foreach_update([ws[i] for i in small], r_list, c_list, a[small])
-        for p, master in lowp:
-            p.copy_(master.view_as(p))
-
-    # ---- eager foreach implementation (same maths, no compiler) ------------------------------------------
-    @staticmethod
-    def _add_scaled(xs: TensorList, ws: TensorList, coef: list[float]) -> None:
-        """xs += coef * ws, coef per fragment (one scalar alpha in the usual case of equal coefficients)."""
-        if len(set(coef)) == 1:
-            if coef[0] != 0.0:
-                torch._foreach_add_(xs, ws, alpha=coef[0])
+        wn_f, rn_f, cn_f = w_norm[seg], r_norm[seg], c_norm[seg]
+        if not self.trust_no_decay and wd == 0:
+            wn_f = torch.zeros_like(wn_f)
+        coef_r = torch.where((wn_f > 0) & (rn_f > 0), wn_f / rn_f.clamp_min(1e-300), k_r)
+        coef_c = torch.where((wn_f > 0) & (cn_f > 0), wn_f / cn_f.clamp_min(1e-300), k_c)
+        if self._lans:
+            a = torch.stack([-lr * b1 * coef_r, -lr * (1 - b1) * coef_c], dim=1)
         else:
-            torch._foreach_add_(xs, torch._foreach_mul(ws, coef))
-
-    @classmethod
-    def _foreach_moments(
-        cls, ws, gs, ms, vs, sc, lans: bool
-    ) -> tuple[torch.Tensor, TensorList, TensorList | None]:
-        """Update m, v; return the partial sums of squares of r', c', w (F, 3) and the materialised r', c'."""
-        s, omb1, b2, omb2, epsp, wdr, wdc = sc.t().tolist()
-        gf = [g if g.dtype == torch.float32 else g.float() for g in gs]
-        gt = torch._foreach_mul(gf, s) if lans else gf
-        torch._foreach_lerp_(ms, gt, omb1[0])
-        torch._foreach_mul_(vs, b2[0])
-        torch._foreach_addcmul_(vs, gt, gt, omb2[0])
-        b = torch._foreach_sqrt(vs)
-        torch._foreach_add_(b, epsp)
-        r = torch._foreach_div(ms, b)
-        cls._add_scaled(r, ws, wdr)
-        rsq, wsq = sum_of_squares(r), sum_of_squares(ws)
-        if not lans:
-            return torch.stack([rsq, torch.zeros_like(rsq), wsq], dim=1), r, None
-        torch._foreach_div_(gt, b)  # gt is our own temporary here: it becomes c'
-        c = gt
-        del b
-        cls._add_scaled(c, ws, wdc)
-        return torch.stack([rsq, sum_of_squares(c), wsq], dim=1), r, c
-
-    @staticmethod
-    def _foreach_update(ws, r, c, a) -> None:
-        ar, ac = a.t().tolist()
-        torch._foreach_mul_(r, ar)
-        torch._foreach_add_(ws, r)
-        if c is not None:
-            torch._foreach_mul_(c, ac)
-            torch._foreach_add_(ws, c)
+            a = torch.stack([-lr * coef_r, torch.zeros_like(coef_r)], dim=1)
+        return a.to(torch.float32)
 
 
 class LANS(_LayerwiseAdaptive):
@@ -684,9 +833,7 @@ def build_optimizer(
     key = name.lower()
     if key in ("lans", "lamb"):
         cls = LANS if key == "lans" else LAMB
-        return cls(
-            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, trust_no_decay=trust_no_decay
-        )
+        return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, trust_no_decay=trust_no_decay)
     if key == "adamw":
         return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=True)
     raise UserError(f"optimizer.name must be one of lans, lamb, adamw (got {name!r})")
