@@ -18,7 +18,21 @@ This command adds what the agent cannot know, read from RUN_DIR/events.jsonl (tr
   code 3 for the scheduler to requeue (the agent alone would restart ranks that exit 3 in place);
 - bad input is not a failure: the job ends with code 2 at once instead of failing ``--max-restarts`` times;
 - a spent restart budget ends the job with one final line and exit 1;
-- the global batch must divide at every world size the job may shrink or grow to: checked before the start.
+- the global batch must divide at every world size the job may shrink or grow to: checked before the start;
+- a rank that dies of a signal (NCCL's watchdog aborts a rank, SIGABRT, with no word of ours; the OOM
+  killer's SIGKILL; a crash's SIGSEGV) gets what train.py gives a lost peer: one line naming the rank, its
+  local rank and pid, the host and the signal, and a ``failure`` event (``rank``, ``why``, ``signal``,
+  ``host``) that goodput and the per-segment figures count, at every restart the agent makes, not only the
+  last. The agent learns the exit status first-hand: it runs in a process of ours (``python -m
+  launch.elastic --run-dir=DIR -m torch.distributed.run ...``: torchrun's own ``main``, in-process), whose
+  agent is torch's ``LocalElasticAgent`` with ``_monitor_workers`` (the hook ``SimpleElasticAgent`` leaves
+  to its subclasses) extended to read the ``ProcessFailure`` of each failed rank; no log line is parsed.
+  A spent budget still ends the job with exit 1;
+- the agent itself killed (the OOM killer's SIGKILL, or a signal that did not come through this command)
+  is not a spent budget: its ranks see their launcher gone, save and exit 3 (``launcher_lost`` events),
+  and the job ends with one line saying so, the step they saved, and code 3 for the scheduler to requeue:
+  the next start resumes from that checkpoint, as after a preemption. Ranks that did not stop in order
+  (no ``launcher_lost`` or ``sigterm`` event) end the job with exit 1.
 """
 
 from __future__ import annotations
@@ -113,11 +127,16 @@ def hosts_rendezvous(endpoint: str) -> bool:
     return False
 
 
-def agent_command(args: argparse.Namespace, nmin: int, nmax: int, job_id: str) -> list[str]:
+def agent_command(args: argparse.Namespace, nmin: int, nmax: int, job_id: str, run_dir: Path) -> list[str]:
+    """torchrun's agent, run by ``agent_main`` (this module as ``__main__``), which follows its ranks' deaths.
+
+    The command line still names ``torch.distributed.run``: the ranks' launcher watch (training.trainer's
+    ``launcher_chain``) and whoever reads ``ps`` recognise the agent by it.
+    """
     conf = f"last_call_timeout={args.last_call_s},join_timeout={args.join_timeout_s}"
     conf += f",is_host={str(hosts_rendezvous(args.rendezvous)).lower()}"
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "launch.elastic", f"--run-dir={run_dir}", "-m", "torch.distributed.run",
         f"--nnodes={nmin}:{nmax}", f"--nproc-per-node={args.procs_per_node}",
         f"--max-restarts={args.max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rendezvous}",
         f"--rdzv-id={job_id}", f"--rdzv-conf={conf}", "--monitor-interval=1",
@@ -132,6 +151,101 @@ def default_job_id() -> str:
         if v:
             return v
     return "wp-elastic"
+
+
+# What a signal that ends a process usually means, for the line that reports it.
+SIGNAL_HINTS = {
+    "SIGABRT": "an abort: under NCCL, its watchdog's once a collective failed or timed out: see its lines",
+    "SIGKILL": "the kernel's OOM killer (see dmesg) or a kill -9",
+    "SIGSEGV": "a crash in native code",
+    "SIGBUS": "a crash in native code, or the storage of a mapped file gone",
+}
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _hinted(name: str) -> str:
+    hint = SIGNAL_HINTS.get(name)
+    return f"{name} ({hint})" if hint else name
+
+
+def rank_died(run_dir: Path, rank: int, local_rank: int, pid: int, signum: int, failures: int,
+              max_restarts: int) -> None:  # fmt: skip
+    """A rank of this node ended by a signal: its ``failure`` event and one line, as train.py's own for a lost
+    peer. ``failures`` counts this agent's failed rounds, this one included: the agent restarts while they
+    are within ``max_restarts``."""
+    name, host = signal_name(signum), socket.gethostname()
+    why = f"died of {name} on host {host} (local rank {local_rank}, pid {pid})"
+    events.record(run_dir, "failure", rank=rank, why=why, signal=name, host=host, local_rank=local_rank,
+                  pid=pid)  # fmt: skip
+    if failures <= max_restarts:
+        restart = f"restart {failures} of {max_restarts}"
+        then = f"the elastic agent restarts the job from its last checkpoint ({restart})"
+    else:
+        then = (f"the elastic agent's restart budget is spent (--max-restarts {max_restarts}): the job ends "
+                "here and resumes from its last checkpoint on the next start")  # fmt: skip
+    print(f"error: rank {rank} (local rank {local_rank}, pid {pid}) on host {host} died of {_hinted(name)}; "
+          f"{then}", file=sys.stderr, flush=True)  # fmt: skip
+
+
+def agent_main(argv: list[str]) -> int:
+    """``python -m launch.elastic --run-dir=DIR -m torch.distributed.run ARGS``: torchrun's ``main`` in this
+    process, its agent extended to report each rank that dies of a signal (``rank_died``).
+
+    torchrun's ``launch_agent`` builds the agent from the name ``LocalElasticAgent`` of its module
+    (torch.distributed.launcher.api, as since torch 1.9; read in 2.13): that name is bound to a subclass whose
+    ``_monitor_workers`` (``SimpleElasticAgent``'s extension point, called once a monitor interval) reads the
+    ``ProcessFailure`` (global rank, local rank, pid, exit code) of every failed round before the agent
+    restarts or ends the job. A job that fails ends with exit 1 without torchrun's ``ChildFailedError``
+    traceback (every failed rank has said why: train.py's line or ``rank_died``'s), a signal to the agent
+    with 128 + its number after the agent has stopped the ranks.
+    """
+    if len(argv) < 3 or not argv[0].startswith("--run-dir=") or argv[1:3] != ["-m", "torch.distributed.run"]:
+        print("error: usage: python -m launch.elastic --run-dir=DIR -m torch.distributed.run ARGS (run by "
+              "python -m launch elastic)", file=sys.stderr)  # fmt: skip
+        return EXIT_USER_ERROR
+    run_dir, torchrun_args = Path(argv[0].split("=", 1)[1]), argv[3:]
+
+    import torch
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    class Agent(LocalElasticAgent):
+        failures = 0  # failed rounds, as the agent counts them against --max-restarts
+
+        def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+            result = super()._monitor_workers(worker_group)
+            if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+                self.failures += 1
+                for rank, f in sorted(result.failures.items()):
+                    if f.exitcode < 0:  # ended by a signal: no line of train.py's, no event
+                        rank_died(run_dir, rank, f.local_rank, f.pid, -f.exitcode, self.failures,
+                                  worker_group.spec.max_restarts)  # fmt: skip
+            return result
+
+    if getattr(launcher_api, "LocalElasticAgent", None) is not LocalElasticAgent:  # a torch that builds it
+        # elsewhere would silently lose the reports: say so instead
+        print(f"error: torch {torch.__version__}: torch.distributed.launcher.api no longer builds "
+              "LocalElasticAgent; launch elastic cannot follow its ranks", file=sys.stderr)  # fmt: skip
+        return 1
+    launcher_api.LocalElasticAgent = Agent  # type: ignore[misc]
+    sys.argv = ["torch.distributed.run", *torchrun_args]
+    try:
+        torchrun.main(torchrun_args)
+    except ChildFailedError:
+        return 1
+    except SignalException as e:
+        return 128 + int(e.sigval)
+    return 0
 
 
 def _kill_tree(pid: int) -> None:
@@ -151,7 +265,7 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, g
     for a restart, when nodes join) or is a failure of that rank: the agent restarts the job.
     """
     path = run_dir / events.EVENTS
-    offset = path.stat().st_size if path.exists() else 0
+    offset0 = offset = path.stat().st_size if path.exists() else 0
     signalled: list[int] = []
     # A node that joins a later rendezvous round (one coming back) waits forever for the workers' store
     # address if the agents share their rendezvous store with the workers: the others built it in their first
@@ -200,6 +314,9 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, g
         print(f"launch elastic: {name}: the ranks stopped after saving; the job ends with code "
               f"{EXIT_PREEMPTED} for the scheduler to requeue", file=sys.stderr, flush=True)  # fmt: skip
         return EXIT_PREEMPTED
+    signum = -rc if rc < 0 else rc - 128 if 128 < rc < 128 + signal.NSIG else None  # agent_main's 128 + N
+    if signum is not None:
+        return agent_killed(run_dir, offset0, agent.pid, signum, killed=rc < 0)
     if not started:
         print(f"error: the elastic agent ended (exit code {rc}) before training started: see its lines above "
               f"(rendezvous {endpoint})", file=sys.stderr, flush=True)  # fmt: skip
@@ -211,6 +328,31 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, g
         flush=True,
     )
     return 1
+
+
+def agent_killed(run_dir: Path, offset: int, pid: int, signum: int, killed: bool) -> int:
+    """The agent ended by a signal that did not come through this command (the OOM killer's SIGKILL): its
+    ranks saw their launcher gone (or, for a signal the agent could handle, were stopped by it), saved and
+    exited 3. Exit 3 (requeue: the next start resumes from that save) when they recorded the stop, else 1."""
+    evs = events.read_from(run_dir, offset)[0]  # this job's events
+    started = [i for i, e in enumerate(evs) if e["event"] == "start"]
+    last = evs[started[-1] :] if started else []  # the agent's last round of ranks: their start and stop
+    stops = [int(e["step"]) for e in last if e["event"] in ("launcher_lost", "sigterm") and "step" in e]
+    saves = [int(e["step"]) for e in last if e["event"] == "checkpoint" or e["event"] == "start"]
+    how = "was killed by" if killed else "got"  # SIGKILL; or a signal torchrun handles: it stopped its ranks
+    name, host = _hinted(signal_name(signum)), socket.gethostname()
+    what = f"the elastic agent (pid {pid}) on host {host} {how} {name}"
+    if not started or not stops:
+        when = "before training started" if not started else "and its ranks did not stop in order"
+        print(f"error: {what} {when}: the job ends here and resumes from its last checkpoint on the next "
+              "start", file=sys.stderr, flush=True)  # fmt: skip
+        return 1
+    stopped, resume = max(stops), max(saves)
+    saved = "saved it" if resume == stopped else f"its last checkpoint is step {resume}"
+    print(f"error: {what}; its ranks stopped after step {stopped} and {saved}: the job ends with code "
+          f"{EXIT_PREEMPTED} and resumes from step {resume} on the next start", file=sys.stderr,
+          flush=True)  # fmt: skip
+    return EXIT_PREEMPTED
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -240,8 +382,12 @@ def run(args: argparse.Namespace) -> int:
     config, overrides = split_train_args(args.passthrough)
     cfg = load_config(config, overrides)
     check_world_sizes(cfg, nmin, nmax, args.procs_per_node)
-    cmd = agent_command(args, nmin, nmax, args.job_id or default_job_id())
+    cmd = agent_command(args, nmin, nmax, args.job_id or default_job_id(), Path(cfg.run.dir))
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
     return supervise(cmd, Path(cfg.run.dir), args.max_restarts, args.rendezvous)
+
+
+if __name__ == "__main__":  # the agent process that supervise() starts (agent_command)
+    sys.exit(agent_main(sys.argv[1:]))

@@ -4,7 +4,9 @@ arithmetic of ``training.events``."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,8 +53,25 @@ def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: flo
         time.sleep(0.2)
 
 
-def test_preemption_is_not_restarted_and_a_spent_budget_ends_the_job(bert_data, tmp_path):  # noqa: F811
-    run_dir = tmp_path / "run"
+def the_agent(launcher: psutil.Process) -> psutil.Process:
+    """torchrun's agent: the child of ``launch elastic`` whose command line names torch.distributed.run."""
+    (agent,) = [p for p in launcher.children() if "torch.distributed.run" in p.cmdline()]
+    return agent
+
+
+def saved_step(run_dir: Path) -> int:
+    return int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
+
+
+def finish(proc: subprocess.Popen) -> tuple[str, list[str]]:
+    """Its output (stdout and stderr) and the lines of ours in it (``error:``, ``launch elastic:``)."""
+    out, _ = proc.communicate(timeout=150)
+    return out, [ln for ln in out.splitlines() if ln.startswith(("error:", "launch elastic:"))]
+
+
+def test_elastic_job_ends_preempted_agent_killed_rank_aborted_budget_spent(bert_data, tmp_path):  # noqa: F811
+    """Three jobs of one run (a start costs some 15 s): ways a job ends that the agent alone gets wrong."""
+    run_dir, host = tmp_path / "run", socket.gethostname()
     # 1. The scheduler's SIGTERM reaches `launch elastic`: the agent stops the rank, which saves and exits 3,
     #    and the job ends with 3 for the scheduler to requeue; the agent does not start it again in place.
     proc = subprocess.Popen(elastic(run_dir, bert_data, "train.steps=400"), cwd=REPO, env=run_env(),
@@ -60,29 +79,82 @@ def test_preemption_is_not_restarted_and_a_spent_budget_ends_the_job(bert_data, 
     the_rank(psutil.Process(proc.pid))
     wait_for_step(run_dir, 2, proc)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=120)
+    out, ours = finish(proc)
     assert proc.returncode == 3, out[-4000:]
-    assert out.strip().splitlines()[-1].startswith("launch elastic: SIGTERM: the ranks stopped after saving")
+    assert ours[-1].startswith("launch elastic: SIGTERM: the ranks stopped after saving"), out[-4000:]
+    assert "Traceback" not in out, out[-4000:]  # nor torchrun's SignalException
     evs = events.read(run_dir)
     kinds = [e["event"] for e in evs if e["event"] in ("start", "sigterm", "preempted")]
     assert kinds == ["start", "preempted", "sigterm"], kinds
-    saved = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
-    assert saved == next(e["step"] for e in evs if e["event"] == "sigterm")  # it saved where it stopped
+    first = saved_step(run_dir)
+    assert first == next(e["step"] for e in evs if e["event"] == "sigterm")  # it saved where it stopped
 
-    # 2. The requeued job resumes; its rank is killed and the budget is 0 restarts: one final line, exit 1.
-    argv = elastic(run_dir, bert_data, "train.steps=400", restarts=0)
-    proc = subprocess.Popen(argv, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
-    rank = the_rank(psutil.Process(proc.pid))
-    wait_for_step(run_dir, saved + 2, proc)
+    # 2. The requeued job resumes and its agent is killed -9 (as by the OOM killer). The rank sees its
+    #    launcher gone, saves and exits 3: the job ends with 3 and one line that says what happened.
+    proc = subprocess.Popen(elastic(run_dir, bert_data, "train.steps=400"), cwd=REPO, env=run_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    the_rank(psutil.Process(proc.pid))
+    agent = the_agent(psutil.Process(proc.pid))
+    wait_for_step(run_dir, first + 2, proc)
+    agent.kill()
+    out, ours = finish(proc)
+    assert proc.returncode == 3 and "Traceback" not in out, out[-4000:]
+    (lost,) = [e for e in events.read(run_dir) if e["event"] == "launcher_lost"]
+    second = saved_step(run_dir)
+    assert lost["step"] == second > first  # it saved where it stopped
+    assert ours == [
+        f"error: the elastic agent (pid {agent.pid}) on host {host} was killed by SIGKILL (the kernel's OOM "
+        f"killer (see dmesg) or a kill -9); its ranks stopped after step {second} and saved it: the job ends "
+        f"with code 3 and resumes from step {second} on the next start"
+    ], out[-4000:]
+
+    # 3. The requeued job, with 1 restart, resumes. Its rank calls os.abort() as NCCL's watchdog does (no
+    #    line, no event of its own): one line and a failure event name the rank, the host and SIGABRT, and
+    #    the agent restarts the job from the last checkpoint. Its rank is killed in turn: the budget is
+    #    spent, a line and an event for SIGKILL, the final line, exit 1.
+    cue = tmp_path / "abort"
+    env = {**run_env(), "WP_ABORT_ON_CUE": str(cue)}
+    env["PYTHONPATH"] = str(REPO / "tests" / "scripts" / "abort_on_cue") + os.pathsep + env["PYTHONPATH"]
+    proc = subprocess.Popen(elastic(run_dir, bert_data, "train.steps=400", restarts=1), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    launcher = psutil.Process(proc.pid)
+    aborting = the_rank(launcher)
+    wait_for_step(run_dir, second + 2, proc)
+    cue.touch()
+    deadline = time.monotonic() + 120
+    while not (restart := [e for e in events.read(run_dir) if e["event"] == "start" and e["restart"] == 1]):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.2)
+    rank = the_rank(launcher)
+    assert rank.pid != aborting.pid
     rank.kill()
-    out, _ = proc.communicate(timeout=120)
+    out, ours = finish(proc)
     assert proc.returncode == 1, out[-4000:]
-    last = out.strip().splitlines()[-1]
-    assert last.startswith("error: the job failed and the elastic agent's restart budget is spent "
-                           "(--max-restarts 0)"), last  # fmt: skip
-    starts = [e for e in events.read(run_dir) if e["event"] == "start"]
-    assert [s["step"] for s in starts] == [0, saved]  # one start per job: no restart in place
+    assert ours == [
+        f"error: rank 0 (local rank 0, pid {aborting.pid}) on host {host} died of SIGABRT (an abort: under "
+        "NCCL, its watchdog's once a collective failed or timed out: see its lines); the elastic agent "
+        "restarts the job from its last checkpoint (restart 1 of 1)",
+        f"error: rank 0 (local rank 0, pid {rank.pid}) on host {host} died of SIGKILL (the kernel's OOM "
+        "killer (see dmesg) or a kill -9); the elastic agent's restart budget is spent (--max-restarts 1): "
+        "the job ends here and resumes from its last checkpoint on the next start",
+        "error: the job failed and the elastic agent's restart budget is spent (--max-restarts 1); the "
+        f"failures are in {run_dir / events.EVENTS}",
+    ], out[-6000:]
+    assert "Traceback" not in out, out[-6000:]  # nor torchrun's ChildFailedError
+    evs = events.read(run_dir)
+    aborted, killed = [e for e in evs if e["event"] == "failure"]  # each restart's failure, the last one too
+    assert (aborted["rank"], aborted["signal"], killed["rank"], killed["signal"]) == (
+        0,
+        "SIGABRT",
+        0,
+        "SIGKILL",
+    )
+    assert aborted["why"] == f"died of SIGABRT on host {host} (local rank 0, pid {aborting.pid})"
+    saves = [e["step"] for e in evs if e["event"] == "checkpoint" and e["time"] < aborted["time"]]
+    assert [e["step"] for e in evs if e["event"] == "start"] == [0, first, second, max(saves)]
+    assert restart[0]["step"] == max(saves) > second  # the restart resumed from the last checkpoint
+    g = events.goodput(evs)  # the aborted start counts as a failed attempt, with its reason
+    assert g is not None and g["attempts"] == 4 and g["failures"][2]["why"] == aborted["why"]
 
 
 def test_global_batch_that_cannot_be_kept_is_refused_before_the_start(bert_data, tmp_path):  # noqa: F811
@@ -201,7 +273,7 @@ def test_bad_input_is_not_retried(bert_data, tmp_path):  # noqa: F811
 
 
 def test_youngs_interval() -> None:
-    from training.checkpoint import young_interval
+    from training.checkpointer import young_interval
 
     # C = 30 s, MTBF = 3 h: sqrt(2 x 30 x 10800) = 804.98 s; at 2 s a step, 402 steps, 402 s lost per failure
     plan = young_interval(30.0, 2.0, 3 * 3600.0)
