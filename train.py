@@ -31,137 +31,136 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(cfg: Config) -> int:
-    from common.atomic import atomic_write_json
     from common.cluster import node_count
-    from model.flops import training_flops_per_token
-    from model.registry import family_of, get_spec, spec_to_dict
-    from training import checkpoint, collectives, devices, events
+    from model.registry import family_of, get_spec
+    from training import collectives
     from training import engine as ds_engine
-    from training.build import build_engine, check_run_dir, open_data, scalar_attrs, seed_everything
-    from training.metrics import RunSummary, config_fingerprint
-    from training.trainer import (
-        DataWatchdog,
-        Trainer,
-        exit_code,
-        next_attempt,
-        peak_memory_bytes,
-        process_age_s,
-        write_replica_digest,
-    )
+    from training.build import build_engine, check_run_dir, model_spec, open_data, run_identity, seed_everything
+    from training.checkpointer import Checkpointer, EventLog
+    from training.lans import attach_zero
+    from training.logbook import Logbook
+    from training.resume import check_shared, find_resume
+    from training.trainer import Trainer, exit_code, next_attempt
+    from training.watch import DataWatchdog
 
-    ds_engine.start(cfg)  # precision and backend checks, threads, determinism, the process group
+    ds_engine.start(cfg)  # precision and backend checks, the device, threads, determinism, the process group
     rank, world = collectives.rank(), collectives.world_size()
     grad_accum = gradient_accumulation(cfg.train, world)
     run_dir = Path(cfg.run.dir)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     family = family_of(get_spec(cfg.model.name))  # validates the name before any data is read
     check_run_dir(run_dir)
-    data = open_data(cfg, family, grad_accum, rank, world)
-    spec = get_spec(cfg.model.name, vocab_size=cfg.model.vocab_size or data.attrs.get("vocab_size"),
-                    dropout=cfg.model.dropout)  # fmt: skip
-    if spec.max_positions < cfg.data.seq_len:
-        raise UserError(
-            f"data.seq_len={cfg.data.seq_len} exceeds {spec.name}'s max_positions={spec.max_positions}"
-        )
-    checkpoint.check_shared(ckpt_dir)
-    point = checkpoint.find_resume(cfg.checkpoint, ckpt_dir, world=world, global_batch=cfg.train.global_batch,
-                                   steps=cfg.train.steps, optimizer=cfg.optimizer.name)  # fmt: skip
+    data = open_data(cfg.data, cfg.train, cfg.model.name, family, grad_accum, rank, world)
+    spec = model_spec(cfg.model, cfg.data, data.attrs)
+    check_shared(ckpt_dir)
+    point = find_resume(cfg.checkpoint, ckpt_dir, world=world, global_batch=cfg.train.global_batch,
+                        steps=cfg.train.steps, optimizer=cfg.optimizer.name)  # fmt: skip
     if point is not None and point.saved["step"] == cfg.train.steps:
-        log.info(
-            f"{point.ckpt_dir / point.tag} is already at train.steps={cfg.train.steps}: nothing to train"
-        )
+        log.info(f"{point.ckpt_dir / point.tag} is already at train.steps={cfg.train.steps}: nothing to train")
         return 0
     ds_config = ds_engine.deepspeed_config(cfg, grad_accum, str(run_dir))
     ds_config["checkpoint"]["load_universal"] = bool(point and point.universal)
-    engine = build_engine(cfg, spec, ds_config, rank)
+    engine = build_engine(cfg.model, cfg.optimizer, cfg.schedule, cfg.train, spec, ds_config, rank)
     resolved = cfg.to_dict()
-    client_static = {
-        "model_spec": {**spec_to_dict(spec), "padded_vocab": spec.padded_vocab},
-        "vocab_sha256": data.vocab_sha256,
-        "world_size": world,
-        "global_batch": cfg.train.global_batch,
-        "optimizer": cfg.optimizer.name,
-        "data_attrs": scalar_attrs(data.attrs),
-        "config": resolved,
-    }
-    flops = training_flops_per_token(
-        spec, cfg.data.seq_len, cfg.data.max_pred if family.uses_max_pred else None
-    )
-    device = devices.device_name()
-    peak = devices.peak_flops(device, ds_engine.compute_dtypes(cfg.deepspeed))
-    if peak is not None:  # ranks of one job report one MFU: the best peak any of them measured
-        peak = collectives.all_reduce_values([peak], "max")[0]
-    trainer = Trainer(
-        engine, data.loader, eval_set=data.eval_set, train=cfg.train, logging=cfg.logging,
-        ckpt=cfg.checkpoint,
-        grad_accum=grad_accum, seq_len=cfg.data.seq_len, flops_per_token=flops,
-        peak_flops=peak, run_dir=run_dir,
-        ckpt_dir=ckpt_dir, client_static=client_static, attempt=next_attempt(run_dir, rank),
-        nodes=node_count(),
-        data_watchdog=DataWatchdog(cfg.deepspeed.timeout_s, cfg.data.num_workers, run_dir),
-    )  # fmt: skip
+    events_to = EventLog(run_dir, next_attempt(run_dir, rank), node_count())
+    checkpointer = Checkpointer(cfg.checkpoint, ckpt_dir, engine, run_identity(spec, data, world, cfg.train,
+                                cfg.optimizer, resolved), lambda step: seed_everything(cfg.train.seed + 1000 * rank
+                                + step), events_to=events_to, after_load=[attach_zero])  # fmt: skip
+    facts = run_facts(cfg, spec, family, world, grad_accum, engine, events_to)
+    trainer = Trainer(engine, data.loader, eval_set=data.eval_set, train=cfg.train, checkpointer=checkpointer,
+                      logbook=Logbook(run_dir, rank, events_to.attempt, cfg.train.steps, engine.monitor),
+                      events_to=events_to, grad_accum=grad_accum, seq_len=cfg.data.seq_len,
+                      flops_per_token=facts.flops_per_token, peak_flops=facts.peak_flops_per_device,
+                      warmup_steps=cfg.logging.warmup_steps, log_every=cfg.logging.every,
+                      data_watchdog=DataWatchdog(cfg.deepspeed.timeout_s, cfg.data.num_workers, run_dir))  # fmt: skip
     try:
         if point is not None:
-            checkpoint.restore(engine, point, client_static, lambda step: seed_everything(
-                cfg.train.seed + 1000 * rank + step), wait_s=cfg.checkpoint.convert_timeout_s)  # fmt: skip
+            checkpointer.restore(point)
             trainer.load_client_state(point.saved)
         elif cfg.train.init_from:
-            checkpoint.initialise_from(engine, Path(cfg.train.init_from), client_static)
-        zero_stage = engine.zero_optimization_stage()
-        if rank == 0:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_json(run_dir / "config.json", resolved)
-            atomic_write_json(run_dir / "deepspeed_config.json", ds_config)
-            log.info(
-                f"{spec.name} | world {world} | micro {cfg.train.micro_batch} x accum {grad_accum} = global "
-                f"{cfg.train.global_batch} | seq {cfg.data.seq_len} | ZeRO {zero_stage} | "
-                f"{cfg.deepspeed.precision} | {cfg.optimizer.name} | {device} | attempt {trainer.attempt}"
-            )
-            trainer.wandb_run = start_wandb(cfg, run_dir, resolved)
-        startup_s = process_age_s()
-        if rank == 0:
-            events.record(run_dir, "start", attempt=trainer.attempt, rank=0, world_size=world,
-                          nodes=node_count(), step=trainer.state.step,
-                          resumed_from=point.tag if point else None,
-                          restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-                          startup_s=round(startup_s, 3))  # fmt: skip
-            if point is not None and point.saved["world_size"] != world:
-                events.record(run_dir, "world_size_change", attempt=trainer.attempt, rank=0,
-                              previous=point.saved["world_size"], world_size=world)  # fmt: skip
+            checkpointer.initialise_from(Path(cfg.train.init_from))
+        announce(cfg, facts, ds_config, trainer, point)
         perf = trainer.train()
-        if rank == 0 and not perf["stopped"]:
-            events.record(run_dir, "finish", attempt=trainer.attempt, rank=0, step=trainer.state.step,
-                          samples=trainer.state.samples)  # fmt: skip
-        if zero_stage < 3:  # replicas hold full parameters: they must agree bit for bit
-            write_replica_digest(run_dir, engine.module, rank, world)
-        peak_mem = collectives.all_reduce_values([float(peak_memory_bytes())], "max")[0]
-        if rank == 0 and (not perf["stopped"] or "sequences_per_sec" in perf):
-            st = trainer.state
-            evs = events.read(run_dir)
-            summary = RunSummary(
-                model=spec.name, family=spec.family, world_size=world, nodes=node_count(), device_kind=device,
-                device_count=world, threads_per_rank=_threads(), precision=cfg.deepspeed.precision,
-                zero_stage=zero_stage, zero_stage_requested=cfg.deepspeed.zero_stage,
-                optimizer=cfg.optimizer.name,
-                micro_batch=cfg.train.micro_batch, global_batch=cfg.train.global_batch, grad_accum=grad_accum,
-                seq_len=cfg.data.seq_len, steps=st.step, samples=st.samples, tokens=st.tokens,
-                flops_per_token=flops, peak_flops_per_device=trainer.peak_flops, attempt=trainer.attempt,
-                peak_memory_bytes=int(peak_mem), startup_s=startup_s, final_loss=trainer.last_loss,
-                fingerprint=config_fingerprint({**resolved, "threads_per_rank": _threads()}), config=resolved,
-                evaluation=trainer.last_eval, wall_time_s=process_age_s(),
-                goodput=events.goodput(evs),
-                segments=events.segments(evs, cfg.train.global_batch, cfg.data.seq_len, flops,
-                                         trainer.peak_flops),
-                **perf,
-            )  # fmt: skip
-            atomic_write_json(run_dir / "summary.json", summary.to_dict())
-            keys = ("model", "world_size", "steps", "sequences_per_sec", "tokens_per_sec", "mfu")
-            shown = {k: summary.to_dict().get(k) for k in keys}
-            log.info("summary: " + json.dumps(shown))
+        report(facts, trainer, perf)
     finally:
         trainer.close()
     collectives.barrier()
     return exit_code(perf)
+
+
+def run_facts(cfg: Config, spec, family, world: int, grad_accum: int, engine, events_to):
+    """What this start of the run is (``training.metrics.RunFacts``); ranks of one job report one peak."""
+    from model.flops import training_flops_per_token
+    from training import collectives, devices
+    from training import engine as ds_engine
+    from training.metrics import RunFacts
+
+    flops = training_flops_per_token(spec, cfg.data.seq_len, cfg.data.max_pred if family.uses_max_pred else None)
+    device = devices.device_name()
+    peak = devices.peak_flops(device, ds_engine.compute_dtypes(cfg.deepspeed))
+    if peak is not None:  # ranks of one job report one MFU: the best peak any of them measured
+        peak = collectives.all_reduce_values([peak], "max")[0]
+    return RunFacts(
+        model=spec.name, family=spec.family, world_size=world, nodes=events_to.nodes, device_kind=device,
+        threads_per_rank=_threads(), precision=cfg.deepspeed.precision, zero_stage=engine.zero_optimization_stage(),
+        zero_stage_requested=cfg.deepspeed.zero_stage, optimizer=cfg.optimizer.name,
+        micro_batch=cfg.train.micro_batch, global_batch=cfg.train.global_batch, grad_accum=grad_accum,
+        seq_len=cfg.data.seq_len, flops_per_token=flops, peak_flops_per_device=peak, attempt=events_to.attempt,
+        config=cfg.to_dict(),
+    )  # fmt: skip
+
+
+def announce(cfg: Config, facts, ds_config: dict, trainer, point) -> None:
+    """Rank 0, before the first step: the resolved configs, the run's line, wandb, the start events."""
+    from common.atomic import atomic_write_json
+    from training import collectives, events
+    from training.clock import process_age_s
+
+    trainer.startup_s = process_age_s()
+    if collectives.rank() != 0:
+        return
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(run_dir / "config.json", facts.config)
+    atomic_write_json(run_dir / "deepspeed_config.json", ds_config)
+    log.info(
+        f"{facts.model} | world {facts.world_size} | micro {facts.micro_batch} x accum {facts.grad_accum} = "
+        f"global {facts.global_batch} | seq {facts.seq_len} | ZeRO {facts.zero_stage} | {facts.precision} | "
+        f"{facts.optimizer} | {facts.device_kind} | attempt {facts.attempt}"
+    )
+    trainer.logbook.wandb_run = start_wandb(cfg, run_dir, facts.config)
+    events.record(run_dir, "start", attempt=facts.attempt, rank=0, world_size=facts.world_size,
+                  nodes=facts.nodes, step=trainer.state.step, resumed_from=point.tag if point else None,
+                  restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+                  startup_s=round(trainer.startup_s, 3))  # fmt: skip
+    if point is not None and point.saved["world_size"] != facts.world_size:
+        events.record(run_dir, "world_size_change", attempt=facts.attempt, rank=0,
+                      previous=point.saved["world_size"], world_size=facts.world_size)  # fmt: skip
+
+
+def report(facts, trainer, perf: dict) -> None:
+    """After the last step: the finish event, the replica digests, and rank 0's summary.json."""
+    from common.atomic import atomic_write_json
+    from training import collectives, events
+    from training.clock import peak_memory_bytes, process_age_s
+    from training.metrics import summarize
+    from training.trainer import write_replica_digest
+
+    rank, run_dir = collectives.rank(), trainer.events_to.run_dir
+    if rank == 0 and not perf["stopped"]:
+        events.record(run_dir, "finish", attempt=facts.attempt, rank=0, step=trainer.state.step,
+                      samples=trainer.state.samples)  # fmt: skip
+    if facts.zero_stage < 3:  # replicas hold full parameters: they must agree bit for bit
+        write_replica_digest(run_dir, trainer.engine.module, rank, facts.world_size)
+    peak_mem = collectives.all_reduce_values([float(peak_memory_bytes())], "max")[0]
+    if rank == 0 and (not perf["stopped"] or "sequences_per_sec" in perf):
+        summary = summarize(facts, trainer.state.to_dict(), perf, events.read(run_dir),
+                            peak_memory_bytes=int(peak_mem), startup_s=trainer.startup_s,
+                            wall_time_s=process_age_s(), final_loss=trainer.last_loss,
+                            evaluation=trainer.last_eval).to_dict()  # fmt: skip
+        atomic_write_json(run_dir / "summary.json", summary)
+        keys = ("model", "world_size", "steps", "sequences_per_sec", "tokens_per_sec", "mfu")
+        log.info("summary: " + json.dumps({k: summary.get(k) for k in keys}))
 
 
 def _threads() -> int:
@@ -178,9 +177,7 @@ def start_wandb(cfg: Config, run_dir: Path, resolved: dict):
     try:
         import wandb
     except ImportError:
-        raise UserError(
-            "logging.wandb.project is set but wandb is not installed: pip install wandb"
-        ) from None
+        raise UserError("logging.wandb.project is set but wandb is not installed: pip install wandb") from None
     return wandb.init(project=w.project, entity=w.entity, name=w.name or cfg.run.name, mode=w.mode,
                       config=resolved, dir=str(run_dir))  # fmt: skip
 

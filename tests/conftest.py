@@ -4,7 +4,10 @@ it."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,52 @@ def launcher(ranks: int, port: int | None = None) -> list[str]:
         "--master_port",
         str(port),
     ]
+
+
+def start_ranks(script: list[str], ranks: int, timeout: float = 300, env: dict | None = None,
+                one_device: bool = False) -> subprocess.CompletedProcess:  # fmt: skip
+    """``ranks`` processes of ``script`` (a path and its arguments) on this machine, with the environment the
+    DeepSpeed launcher gives its ranks (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_*, MASTER_*), started
+    directly: the launcher's own two interpreter start-ups are seconds per job, and the tests of the launcher's
+    behaviour (signals, a rank lost) start it themselves. ``one_device``: every rank with ``LOCAL_RANK=0``, to
+    share this machine's one GPU (DeepSpeed would otherwise ask for a ``cuda:1`` that does not exist).
+
+    As the launcher: when a rank fails, the others get SIGTERM and 30 s before they are killed; the exit code
+    is the first failing rank's; the output is every rank's, in rank order."""
+    from common.net import free_port
+
+    base = {**(env or run_env()), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "WORLD_SIZE": str(ranks), "LOCAL_SIZE": "1" if one_device else str(ranks), "CROSS_RANK": "0",
+            "CROSS_SIZE": "1"}  # fmt: skip
+    procs = []
+    for r in range(ranks):
+        local = 0 if one_device else r
+        procs.append(subprocess.Popen([sys.executable, "-u", script[0], f"--local_rank={local}", *script[1:]],
+                                      cwd=REPO, env={**base, "RANK": str(r), "LOCAL_RANK": str(local)},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+    outs: list[tuple[str, str]] = [("", "")] * ranks
+    readers = [threading.Thread(target=lambda i=i: outs.__setitem__(i, procs[i].communicate()), daemon=True)
+               for i in range(ranks)]  # fmt: skip
+    for t in readers:
+        t.start()
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = time.monotonic()
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+        if failed_at is not None and time.monotonic() - failed_at > 30:
+            break
+        time.sleep(0.1)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for t in readers:
+        t.join(timeout=60)  # a rank's DataLoader workers hold its pipes until they notice it is gone
+    codes = [p.returncode for p in procs]
+    rc = next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess(script, rc, "".join(o for o, _ in outs), "".join(e for _, e in outs))
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from common.errors import UserError
 from common.net import free_port
-from training import checkpoint
+from training import checkpoint, saving
 from training.trainer import StepReduction
 
 LATE_STEPS = 3  # rank 1's write is held back this many steps
@@ -52,7 +52,7 @@ def _rank_main(rank: int, world: int, ckpt: str, fail_rank: int, out: str, port:
         release = Path(out) / "release"
         state = {"w": torch.full((256, 256), float(rank)), "held": HeldBack(str(release)) if rank == 1 else 0}
         client = {"step": 10} if rank == 0 else None
-        save = checkpoint.BackgroundSave(ckpt_dir, 10, rank, [(state, str(target))], client)
+        save = saving.BackgroundSave(ckpt_dir, 10, rank, [(state, str(target))], client)
         reduction = StepReduction(torch.device("cpu"))
         reduction.name_pieces({"loss": torch.zeros(())})
         seen: list[tuple[int, bool]] = []  # (ranks written, failed) as every step's collective told
@@ -62,7 +62,7 @@ def _rank_main(rank: int, world: int, ckpt: str, fail_rank: int, out: str, port:
             step += 1
             if rank == 1 and step == 10 + LATE_STEPS:
                 release.touch()
-            reduction.launch(step, torch.zeros(1), False, save)
+            reduction.launch(step, torch.zeros(1), save_written=save.written, save_failed=save.failed)
             reduction.read()
             seen.append((reduction.saves_written, reduction.save_failed))
             if reduction.save_failed or save.committed:
@@ -123,8 +123,6 @@ def test_a_failed_commit_reaches_every_rank_as_one_line(tmp_path: Path) -> None:
     (ckpt / "latest").mkdir(parents=True)
     ranks = run_ranks(ckpt, tmp_path / "out", fail_rank=-1)
     assert ranks[0]["seen"] == ranks[1]["seen"]
-    assert ranks[0]["seen"][-2] == [2, False] and ranks[0]["seen"][-1][1], (
-        "the commit's failure came a step later"
-    )
+    assert ranks[0]["seen"][-2] == [2, False] and ranks[0]["seen"][-1][1], "the commit's failure came a step later"
     assert ranks[0]["error"] == ranks[1]["error"] and "(rank 0): " in ranks[0]["error"]
     assert not (ckpt / "step00000010").exists()

@@ -1,6 +1,6 @@
 """Resume decisions over damaged or foreign checkpoints, on a real 2-rank DeepSpeed checkpoint directory.
 
-``checkpoint.find_resume`` and ``check_shared`` run here in the test process as rank 0 of one (the collectives
+``training.resume.find_resume`` and ``check_shared`` run here in the test process as rank 0 of one (the collectives
 are then trivial); the launcher-level behaviour (every rank exits with the same line) is in test_train.py and
 test_train_twonode.py.
 """
@@ -22,6 +22,7 @@ from tests.conftest import REPO, run_env
 from tests.test_train import bert_data, common, straight_run  # noqa: F401  (fixtures)
 from training import checkpoint
 from training.config import CheckpointSection
+from training.resume import ResumePoint, check_shared, find_resume
 
 
 @pytest.fixture
@@ -31,8 +32,8 @@ def ckpt(straight_run, tmp_path) -> Path:  # noqa: F811
     return tmp_path / "run" / "checkpoints"
 
 
-def decide(ckpt_dir: Path, optimizer: str = "lans", resume: str = "auto") -> checkpoint.ResumePoint | None:
-    return checkpoint.find_resume(
+def decide(ckpt_dir: Path, optimizer: str = "lans", resume: str = "auto") -> ResumePoint | None:
+    return find_resume(
         CheckpointSection(resume=resume), ckpt_dir, world=2, global_batch=16, steps=100, optimizer=optimizer
     )
 
@@ -71,14 +72,11 @@ def test_damaged_newest_tag_falls_back_with_a_warning(ckpt: Path, logs) -> None:
         f.truncate(model.stat().st_size // 2)
     point = decide(ckpt)
     assert point.tag == "step00000004"
-    assert (
-        f"{model} has" in logs.text
-        and "resuming from step00000004 instead of the damaged step00000008" in (logs.text)
+    assert f"{model} has" in logs.text and "resuming from step00000004 instead of the damaged step00000008" in (
+        logs.text
     )
     # an explicitly chosen damaged tag is refused, not replaced
-    with pytest.raises(
-        UserError, match=r"checkpoint.resume=.*step00000008: damaged checkpoint \(.*model_states"
-    ):
+    with pytest.raises(UserError, match=r"checkpoint.resume=.*step00000008: damaged checkpoint \(.*model_states"):
         decide(ckpt, resume=str(ckpt / "step00000008"))
     # a tag without client_state.json; then nothing loadable left: refused, never a fresh start
     (ckpt / "step00000004" / "client_state.json").unlink()
@@ -131,12 +129,12 @@ def test_unwritable_checkpoint_dir_is_refused(tmp_path: Path) -> None:
             match=rf"{ro / 'checkpoints'}: cannot write checkpoints there \(Read-only"
             r"|Permission",
         ):
-            checkpoint.check_shared(ro / "checkpoints")
+            check_shared(ro / "checkpoints")
     finally:
         if os.geteuid() == 0:
             subprocess.run(["umount", str(ro)], check=True)
     ok = tmp_path / "ok" / "checkpoints"
-    checkpoint.check_shared(ok)
+    check_shared(ok)
     assert ok.is_dir() and not list(ok.iterdir()), "the probe is removed"
 
 

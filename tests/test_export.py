@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, SHARED_DATA, launcher, run_env
+from tests.conftest import REPO, SHARED_DATA, run_env, start_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -88,10 +88,9 @@ def _assert_family_hash_key(shards: Path, family: str, tokenizer: Path) -> None:
 
 
 def _train(run_dir: Path, ranks: int, *overrides: str) -> Path:
-    cmd = [*launcher(ranks), "train.py", "--config", "smoke", f"run.dir={run_dir}", "train.steps=2",
-           "train.eval_every=0", "checkpoint.every=0", "logging.every=1", "deepspeed.precision=bf16",
-           *overrides]  # fmt: skip
-    res = _run(cmd, timeout=400)
+    res = start_ranks(["train.py", "--config", "smoke", f"run.dir={run_dir}", "train.steps=2", "train.eval_every=0",
+                       "checkpoint.every=0", "logging.every=1", "deepspeed.precision=bf16", *overrides], ranks,
+                      timeout=400)  # fmt: skip
     assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-3000:]
     return run_dir / "checkpoints"
 

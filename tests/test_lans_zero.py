@@ -8,13 +8,12 @@ step 4), and 2 ranks resuming that checkpoint.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, launcher, run_env
+from tests.conftest import REPO, start_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -29,19 +28,8 @@ RESUME = "lans:2:fp32,lamb:2:fp32"
 
 
 def _launch(ranks: int, runs: str, out: Path, *extra: str) -> dict:
-    cmd = [
-        *launcher(ranks, port=29400 + ranks),
-        str(SCRIPT),
-        "--runs",
-        runs,
-        "--steps",
-        str(STEPS),
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(
-        [*cmd, *extra], env=run_env(), cwd=REPO, capture_output=True, text=True, timeout=600
-    )
+    script = [str(SCRIPT), "--runs", runs, "--steps", str(STEPS), "--out", str(out), *extra]
+    proc = start_ranks(script, ranks, timeout=600)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return torch.load(out)
 

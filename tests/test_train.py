@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO, launcher, run_env
+from tests.conftest import REPO, launcher, run_env, start_ranks
 from training import events
 
 pytestmark = pytest.mark.slow
@@ -69,52 +69,17 @@ def bert_data(tmp_path_factory, wiki_text_dir, wiki_vocab) -> dict[str, Path]:
 def deepspeed(
     args: list[str], ranks: int = 2, timeout: int = 300, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """train.py on ``ranks`` ranks: the DeepSpeed launcher, or on a machine with one GPU (the GPU tier)
-    ranks that share it (``one_device``)."""
-    if ranks > 1 and shares_one_gpu():
-        return one_device([*args, "deepspeed.backend=gloo"], ranks, timeout, env)
-    cmd = [
-        *launcher(ranks),
-        "train.py",
-        *args,
-    ]
-    return subprocess.run(
-        cmd, cwd=REPO, env=env or run_env(), capture_output=True, text=True, timeout=timeout
-    )
+    """train.py on ``ranks`` ranks, started as the DeepSpeed launcher starts them (``start_ranks``); on a
+    machine with one GPU (the GPU tier) the ranks share it, under gloo."""
+    one = ranks > 1 and shares_one_gpu()
+    return start_ranks(["train.py", *args, *(["deepspeed.backend=gloo"] if one else [])], ranks, timeout, env,
+                       one_device=one)  # fmt: skip
 
 
 def shares_one_gpu() -> bool:
     import torch
 
     return torch.cuda.device_count() == 1
-
-
-def one_device(args: list[str], ranks: int, timeout: int, env: dict | None) -> subprocess.CompletedProcess:
-    """``ranks`` train.py processes on this machine's one device, each with ``LOCAL_RANK=0`` and its own
-    ``RANK`` (DeepSpeed would otherwise ask for a ``cuda:1`` that does not exist); collectives through gloo.
-    The output is every rank's, in rank order; the exit code the first failing rank's, as the launcher's."""
-    from common.net import free_port
-
-    base = {**(env or run_env()), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            "WORLD_SIZE": str(ranks), "LOCAL_RANK": "0", "LOCAL_SIZE": "1"}  # fmt: skip
-    procs = [subprocess.Popen([sys.executable, "train.py", *args], cwd=REPO, env={**base, "RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(ranks)]  # fmt: skip
-    deadline = time.monotonic() + timeout
-    failed_at = None
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-            failed_at = time.monotonic()  # as the launcher: the others get 30 s, then they are killed
-        if failed_at is not None and time.monotonic() - failed_at > 30:
-            break
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    outs = [p.communicate() for p in procs]
-    codes = [p.returncode for p in procs]
-    rc = next((c for c in codes if c != 0), 0)
-    return subprocess.CompletedProcess(args, rc, "".join(o for o, _ in outs), "".join(e for _, e in outs))
 
 
 def common(data: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
@@ -149,8 +114,11 @@ def losses(run_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def straight_run(bert_data, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("straight") / "run"
+    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     res = deepspeed(common(bert_data, run_dir))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    shm_new = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - shm_before
+    (run_dir.parent / "shm_new.json").write_text(json.dumps(sorted(map(str, shm_new))))
     return run_dir
 
 
@@ -190,8 +158,7 @@ def test_run_writes_metrics_and_summary(straight_run):
     assert all(r["loss"] == r["loss"] and r["loss"] > 0 for r in records if "loss" in r)  # finite
     assert any("tokens_per_sec" in r and "mfu" in r and "peak_memory_bytes" in r for r in records)
     # DeepSpeed's CPU shared-memory all-reduce (unused by training) is off: the job left nothing in /dev/shm
-    port = 29500 + os.getpid() % 1000  # conftest.launcher's port for this test process
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert json.loads((straight_run.parent / "shm_new.json").read_text()) == []
     # BERT's two losses are logged apart, and they add up to the total
     assert all(r["mlm_loss"] + r["nsp_loss"] == pytest.approx(r["loss"]) for r in records if "loss" in r)
 
@@ -233,13 +200,9 @@ def test_resume_is_exact(bert_data, straight_run, tmp_path):
     # the same held-out samples at every evaluation: the final figures repeat exactly too
     done, straight = (json.loads((d / "summary.json").read_text()) for d in (run_dir, straight_run))
     figures = [k for k in straight if k.startswith("eval_") and k != "eval_s"]
-    assert "eval_mlm_accuracy" in figures and {k: done[k] for k in figures} == {
-        k: straight[k] for k in figures
-    }
+    assert "eval_mlm_accuracy" in figures and {k: done[k] for k in figures} == {k: straight[k] for k in figures}
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-    assert [(r["attempt"], r["step"]) for r in rows] == [(1, s) for s in range(1, 5)] + [
-        (2, s) for s in range(5, 9)
-    ]
+    assert [(r["attempt"], r["step"]) for r in rows] == [(1, s) for s in range(1, 5)] + [(2, s) for s in range(5, 9)]
 
     # Started again at train.steps: nothing to train, exit 0, the summary is left alone.
     before = (run_dir / "summary.json").read_bytes()
@@ -320,9 +283,7 @@ def signal_running_job(bert_data, run_dir: Path, port: int, target: str, *extra:
             victim.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)  # until every process holding the pipe has ended
         psutil.wait_procs(ranks + launchers, timeout=60)
-        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), (
-            "ranks left running"
-        )
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), "ranks left running"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -431,9 +392,7 @@ def test_disk_full_during_a_save_fails_cleanly(bert_data, tmp_path):
         assert f"saving checkpoint {ckpt / 'step00000008'} failed on node" in errors[0], errors
         assert "the disk is full" in errors[0] and f"{ckpt / 'latest'} still names step00000004" in errors[0]
         assert "Traceback" not in full.stderr
-        assert (
-            not (ckpt / "step00000008").exists() and (ckpt / "latest").read_text().strip() == "step00000004"
-        )
+        assert not (ckpt / "step00000008").exists() and (ckpt / "latest").read_text().strip() == "step00000004"
         subprocess.run(["mount", "-o", "remount,size=96m", str(ckpt)], check=True)
         again = deepspeed(args)
         assert again.returncode == 0, again.stderr[-3000:]
@@ -578,13 +537,9 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(bert_data, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode != 0
-    assert rank0_s < 20 + 15, (
-        f"rank 0 left {rank0_s:.0f} s after rank 1 hung (timeout 20 s)\n{output[-3000:]}"
-    )
+    assert rank0_s < 20 + 15, f"rank 0 left {rank0_s:.0f} s after rank 1 hung (timeout 20 s)\n{output[-3000:]}"
     errors = [ln for ln in output.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "error: rank 0: a collective timed out (deepspeed.timeout_s)" in errors[0], (
-        errors
-    )
+    assert len(errors) == 1 and "error: rank 0: a collective timed out (deepspeed.timeout_s)" in errors[0], errors
     assert "Traceback" not in output
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), "ranks left running"
 
@@ -610,13 +565,12 @@ def test_a_stalled_data_loader_ends_its_rank_with_one_line(bert_data, tmp_path):
         rank1 = next(r for r in ranks if "--local_rank=1" in r.cmdline())
         workers = rank1.children()
         assert workers, "rank 1 has no DataLoader worker"
-        t0 = time.time()
         for w in workers:
             w.send_signal(signal.SIGSTOP)
-        psutil.wait_procs([rank1], timeout=150)
+        psutil.wait_procs([rank1], timeout=300)  # its queued batches first (a few hundred rows), then the bound
         rank1_ended = time.time()
         output, _ = proc.communicate(timeout=120)
-        ended_s = time.time() - t0
+        job_ended = time.time()
     finally:
         for w in workers:
             with contextlib.suppress(psutil.Error):
@@ -631,11 +585,11 @@ def test_a_stalled_data_loader_ends_its_rank_with_one_line(bert_data, tmp_path):
     failures = [e for e in events.read(run_dir) if e["event"] == "failure" and e["rank"] == 1]
     assert len(failures) == 1 and failures[0]["why"] == "data loader stalled", failures
     # the rank waited the bound (and a watchdog poll) for its next batch, then ended at once
-    assert timeout_s <= failures[0]["waited_s"] < timeout_s + 2, failures
-    assert rank1_ended - failures[0]["time"] < 5, rank1_ended - failures[0]["time"]
-    # the queued batches first (at most a few hundred rows per rank), then the bound; the stopped worker
-    # does not hold the launcher's 30 s grace
-    assert ended_s < timeout_s + 25, f"ended {ended_s:.0f} s after the worker stopped\n{output[-3000:]}"
+    assert timeout_s <= failures[0]["waited_s"] < timeout_s + 5, failures
+    assert rank1_ended - failures[0]["time"] < 10, rank1_ended - failures[0]["time"]
+    # its stopped worker was killed with it: the launcher's 30 s grace for a process tree that does not end on
+    # SIGTERM is not spent
+    assert job_ended - rank1_ended < 25, f"the job ended {job_ended - rank1_ended:.0f} s after rank 1"
 
 
 def test_sigterm_saves_and_exits_with_distinct_code(bert_data, long_run, tmp_path):
@@ -666,18 +620,14 @@ def test_sigterm_saves_and_exits_with_distinct_code(bert_data, long_run, tmp_pat
 def test_wandb_offline(bert_data, tmp_path):
     run_dir = tmp_path / "run"
     env = {**run_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    res = deepspeed(
-        common(bert_data, run_dir, "train.steps=3", "logging.wandb.project=wikipretrain-test"), env=env
-    )
+    res = deepspeed(common(bert_data, run_dir, "train.steps=3", "logging.wandb.project=wikipretrain-test"), env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
 
 
 def _cli(*args: str) -> None:
-    res = subprocess.run(
-        [sys.executable, "-m", *args], cwd=REPO, env=run_env(), capture_output=True, text=True
-    )
+    res = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=run_env(), capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
 
 

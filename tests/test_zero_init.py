@@ -4,11 +4,10 @@ gathered weights are exactly those of the same model built whole, and host memor
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from tests.conftest import REPO, launcher, run_env
+from tests.conftest import start_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -16,8 +15,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("zeroinit")
-    cmd = [*launcher(2), "tests/scripts/zero_init_check.py", str(out)]
-    res = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600)
+    res = start_ranks(["tests/scripts/zero_init_check.py", str(out)], 2, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 

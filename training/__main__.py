@@ -12,9 +12,7 @@ from common.errors import run_cli
 def cmd_export(args: argparse.Namespace) -> int:
     from training.export import export_checkpoint
 
-    out = export_checkpoint(
-        args.checkpoint, args.out, tag=args.tag, tokenizer=args.tokenizer, overwrite=args.overwrite
-    )
+    out = export_checkpoint(args.checkpoint, args.out, tag=args.tag, tokenizer=args.tokenizer, overwrite=args.overwrite)
     print(f"exported {args.checkpoint} -> {out}")
     return 0
 
@@ -22,15 +20,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training", description="Tools for trained checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser(
-        "export", help="consolidate a DeepSpeed checkpoint into a Hugging Face model directory"
-    )
+    p = sub.add_parser("export", help="consolidate a DeepSpeed checkpoint into a Hugging Face model directory")
     p.add_argument("checkpoint", help="checkpoint directory (the run's checkpoint dir, or one tag inside it)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--tag", default=None, help="checkpoint tag (default: the latest complete one)")
-    p.add_argument(
-        "--tokenizer", default=None, help="vocab.txt / tokenizer.json (default: the one the run used)"
-    )
+    p.add_argument("--tokenizer", default=None, help="vocab.txt / tokenizer.json (default: the one the run used)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.set_defaults(func=cmd_export)
     args = parser.parse_args(argv)

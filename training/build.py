@@ -18,7 +18,7 @@ import torch
 from common.errors import UserError
 from common.log import get_logger
 from data.h5format import sha256_file
-from training.config import Config, DataSection, TrainSection
+from training.config import DataSection, ModelSection, OptimizerSection, ScheduleSection, TrainSection
 
 log = get_logger("train")
 
@@ -93,15 +93,15 @@ def _open_loader(data: DataSection, train: TrainSection, path: str | None, key: 
     )
 
 
-def open_data(cfg: Config, family, grad_accum: int, rank: int, world: int) -> RunData:
+def open_data(data: DataSection, train: TrainSection, model_name: str, family, grad_accum: int, rank: int,
+              world: int) -> RunData:  # fmt: skip
     """Open the shards the model family reads, checking them against ``data.*`` (sequence length,
     vocabulary)."""
     from data.loader import EvalSet
 
-    data = cfg.data
     kind = family.shard_kind if data.kind == "auto" else data.kind
     if kind != family.shard_kind:
-        raise UserError(f"data.kind={data.kind} does not fit model {cfg.model.name} ({family.name})")
+        raise UserError(f"data.kind={data.kind} does not fit model {model_name} ({family.name})")
     expect: dict[str, Any] = {"seq_len": data.seq_len}
     if family.uses_max_pred:
         expect["max_pred"] = data.max_pred
@@ -111,28 +111,58 @@ def open_data(cfg: Config, family, grad_accum: int, rank: int, world: int) -> Ru
             raise UserError(f"data.vocab={data.vocab}: file does not exist")
         vocab_sha = sha256_file(data.vocab)  # the hash the shard writers store
         expect[family.hash_key] = vocab_sha
-    loader = _open_loader(data, cfg.train, data.train, "data.train", kind, grad_accum, rank, world, expect)
+    loader = _open_loader(data, train, data.train, "data.train", kind, grad_accum, rank, world, expect)
     eval_set = None
     if data.eval:
         if not Path(data.eval).exists():
             raise UserError(f"data.eval={data.eval}: directory does not exist")
-        eval_set = EvalSet(data.eval, kind, cfg.train.eval_samples, micro_batch=cfg.train.micro_batch,
+        eval_set = EvalSet(data.eval, kind, train.eval_samples, micro_batch=train.micro_batch,
                            dp_rank=rank, dp_world=world, expect=expect,
                            require_manifest=data.require_manifest)  # fmt: skip
     attrs = loader.attrs
     return RunData(loader, eval_set, kind, attrs, vocab_sha or attrs.get(family.hash_key))
 
 
-def schedule_kwargs(cfg: Config) -> dict:
+def model_spec(model: ModelSection, data: DataSection, shard_attrs: dict[str, Any]):
+    """The named size with this run's vocabulary (``model.vocab_size``, else the shards') and dropout; refuses a
+    sequence length beyond its positions."""
+    from model.registry import get_spec
+
+    spec = get_spec(model.name, vocab_size=model.vocab_size or shard_attrs.get("vocab_size"), dropout=model.dropout)
+    if spec.max_positions < data.seq_len:
+        raise UserError(f"data.seq_len={data.seq_len} exceeds {spec.name}'s max_positions={spec.max_positions}")
+    return spec
+
+
+def run_identity(spec, data: RunData, world: int, train: TrainSection, optimizer: OptimizerSection,
+                 resolved: dict[str, Any]):  # fmt: skip
+    """The run's identity (``training.resume.RunIdentity``), built here once: every checkpoint records it and
+    a resume is checked against it."""
+    from model.registry import spec_to_dict
+    from training.resume import RunIdentity
+
+    return RunIdentity(
+        model_spec={**spec_to_dict(spec), "padded_vocab": spec.padded_vocab},
+        vocab_sha256=data.vocab_sha256,
+        world_size=world,
+        global_batch=train.global_batch,
+        optimizer=optimizer.name,
+        data_attrs=scalar_attrs(data.attrs),
+        config=resolved,
+    )
+
+
+def schedule_kwargs(schedule: ScheduleSection, total_steps: int) -> dict:
     """The schedule section's fields that the chosen schedule function takes, plus the total steps."""
     from training.schedules import SCHEDULES
 
-    fields = {**dataclasses.asdict(cfg.schedule), "total_steps": cfg.train.steps}
-    accepted = inspect.signature(SCHEDULES[cfg.schedule.kind]).parameters
+    fields = {**dataclasses.asdict(schedule), "total_steps": total_steps}
+    accepted = inspect.signature(SCHEDULES[schedule.kind]).parameters
     return {k: v for k, v in fields.items() if k in accepted and k != "step"}
 
 
-def build_engine(cfg: Config, spec, ds_config: dict[str, Any], rank: int):
+def build_engine(model_cfg: ModelSection, opt: OptimizerSection, schedule: ScheduleSection, train: TrainSection,
+                 spec, ds_config: dict[str, Any], rank: int):  # fmt: skip
     """Model (same initial weights on every rank), optimizer, schedule and the DeepSpeed engine."""
     import deepspeed
 
@@ -142,16 +172,15 @@ def build_engine(cfg: Config, spec, ds_config: dict[str, Any], rank: int):
     from training.zero_init import build_partitioned, local_numel
 
     log.info(f"building {spec.name} and its optimizer")
-    seed_everything(cfg.train.seed)  # same initial weights on every rank
-    attention, ckpt = cfg.model.attention, cfg.model.activation_checkpointing
+    seed_everything(train.seed)  # same initial weights on every rank
+    attention, ckpt = model_cfg.attention, model_cfg.activation_checkpointing
     if ds_config["zero_optimization"]["stage"] == 3:  # each rank holds only its partition
         model = build_partitioned(spec, ds_config, attention=attention, activation_checkpointing=ckpt)
         held, whole = local_numel(model)
         log.info(f"built under zero.Init: this rank holds {held:,} of {whole:,} parameters")
     else:
         model = build_model(spec, attention=attention, activation_checkpointing=ckpt)
-    seed_everything(cfg.train.seed + 1000 * rank)  # rank-specific dropout streams
-    opt = cfg.optimizer
+    seed_everything(train.seed + 1000 * rank)  # rank-specific dropout streams
     optimizer = build_optimizer(
         opt.name,
         param_groups(model, opt.weight_decay),
@@ -161,10 +190,8 @@ def build_engine(cfg: Config, spec, ds_config: dict[str, Any], rank: int):
         weight_decay=opt.weight_decay,
         trust_no_decay=opt.trust_no_decay,
     )
-    scheduler = build_scheduler(optimizer, cfg.schedule.kind, **schedule_kwargs(cfg))
+    scheduler = build_scheduler(optimizer, schedule.kind, **schedule_kwargs(schedule, train.steps))
     log.info("initialising the DeepSpeed engine")
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
-    )
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     attach_zero(engine)
     return engine

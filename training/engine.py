@@ -44,9 +44,7 @@ def check_setup(cfg: Config) -> None:
             "CUDA_VISIBLE_DEVICES is empty" if visible == ""
             else "this torch has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
         )  # fmt: skip
-        raise UserError(
-            f"deepspeed.backend=nccl needs a CUDA device, but {why}; use deepspeed.backend=gloo on CPU"
-        )
+        raise UserError(f"deepspeed.backend=nccl needs a CUDA device, but {why}; use deepspeed.backend=gloo on CPU")
     if ds.backend == "auto" and torch.version.cuda is not None and visible == "":
         raise UserError(
             "CUDA_VISIBLE_DEVICES is set but empty: this CUDA build of torch sees no GPU; unset it, or set "
@@ -56,9 +54,7 @@ def check_setup(cfg: Config) -> None:
 
 def compute_dtypes(section: DeepSpeedSection) -> tuple[str, ...]:
     """The dtypes a run's arithmetic uses: the model's, plus fp32 for master weights and the optimizer."""
-    return {"bf16": ("bfloat16", "float32"), "fp16": ("float16", "float32")}.get(
-        section.precision, ("float32",)
-    )
+    return {"bf16": ("bfloat16", "float32"), "fp16": ("float16", "float32")}.get(section.precision, ("float32",))
 
 
 class _DropNoise(logging.Filter):

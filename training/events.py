@@ -9,7 +9,8 @@ Kinds (each line also has ``time``, seconds since the epoch, ``rank`` and ``atte
 - ``checkpoint``: a committed save: ``step``, ``tag``, ``save_s`` (the training stall it caused); a
   background save (``checkpoint.async_save``) is recorded when committed, some steps after its stall, and
   also has ``write_s`` (its files' writing, overlapped with training) and ``done_at`` (when its stall ended);
-- ``failure``: a rank found a peer gone or hung: ``why``;
+- ``failure``: a rank found a peer gone or hung, or its data loader stalled: ``why``; or ``launch elastic``'s
+  agent saw a rank of its node die of a signal: ``why``, ``signal``, ``host``, ``local_rank``, ``pid``;
 - ``sigterm``: a rank received SIGTERM (a scheduler's preemption, or its elastic agent stopping it for a
   restart): it saves and exits 3; ``launcher_lost``: a rank's launcher died (the rank stops as on SIGTERM);
 - ``preempted``: ``launch elastic`` itself was signalled (``signal``, ``host``): the job ends with 3 for the
@@ -214,8 +215,6 @@ def segments(
             "seconds": round(seconds, 3),
             "sequences_per_sec": total.sequences_per_sec,
             "sequences_per_sec_per_device": per_device,
-            "mfu": mfu(per_device * seq_len, flops_per_token, peak_flops_per_device)
-            if flops_per_token
-            else None,
+            "mfu": mfu(per_device * seq_len, flops_per_token, peak_flops_per_device) if flops_per_token else None,
         },
     }

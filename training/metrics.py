@@ -47,9 +47,7 @@ def tflops_per_device(tokens_per_sec_per_device: float, flops_per_token: float) 
     return tokens_per_sec_per_device * flops_per_token / 1e12
 
 
-def mfu(
-    tokens_per_sec_per_device: float, flops_per_token: float, peak_flops_per_device: float | None
-) -> float | None:
+def mfu(tokens_per_sec_per_device: float, flops_per_token: float, peak_flops_per_device: float | None) -> float | None:
     """Model FLOPs utilisation in [0, 1], or None when the device's peak is unknown.
 
     Raises ValueError, naming the figures, when the result exceeds 1: that cannot be right.
@@ -193,3 +191,64 @@ class RunSummary:
         known = {k: v for k, v in d.items() if k in names and k != "evaluation"}
         known["evaluation"] = {k: v for k, v in d.items() if k.startswith("eval_") and k not in names}
         return cls(**known)
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What one start of a run is, fixed before its first step; its summary records it beside the figures."""
+
+    model: str
+    family: str
+    world_size: int
+    nodes: int
+    device_kind: str
+    threads_per_rank: int
+    precision: str
+    zero_stage: int
+    zero_stage_requested: int
+    optimizer: str
+    micro_batch: int
+    global_batch: int
+    grad_accum: int
+    seq_len: int
+    flops_per_token: float | None
+    peak_flops_per_device: float | None
+    attempt: int
+    config: dict[str, Any]
+
+
+def summarize(
+    facts: RunFacts,
+    counters: dict[str, int],
+    perf: dict[str, Any],
+    run_events: list[dict[str, Any]],
+    *,
+    peak_memory_bytes: int,
+    startup_s: float,
+    wall_time_s: float,
+    final_loss: float | None,
+    evaluation: dict[str, float],
+) -> RunSummary:
+    """The run summary: ``facts``, the step counters (``steps``, ``samples``, ``tokens``), the trainer's
+    figures (``perf``: throughput, MFU, the time breakdown, ``stopped``) and, from the run's events, its goodput
+    and per-segment figures."""
+    from training import events
+
+    return RunSummary(
+        **asdict(facts),
+        device_count=facts.world_size,
+        steps=counters["step"],
+        samples=counters["samples"],
+        tokens=counters["tokens"],
+        peak_memory_bytes=peak_memory_bytes,
+        startup_s=startup_s,
+        wall_time_s=wall_time_s,
+        final_loss=final_loss,
+        fingerprint=config_fingerprint({**facts.config, "threads_per_rank": facts.threads_per_rank}),
+        evaluation=evaluation,
+        goodput=events.goodput(run_events),
+        segments=events.segments(
+            run_events, facts.global_batch, facts.seq_len, facts.flops_per_token, facts.peak_flops_per_device
+        ),  # fmt: skip
+        **perf,
+    )

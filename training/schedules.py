@@ -76,9 +76,7 @@ SCHEDULES: dict[str, Callable[..., float]] = {
 }
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, kind: str, **kw: float
-) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, kind: str, **kw: float) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR for ``kind`` (one of SCHEDULES); pass it to ``deepspeed.initialize(lr_scheduler=...)``."""
     if kind not in SCHEDULES:
         raise UserError(f"schedule kind must be one of {', '.join(SCHEDULES)} (got {kind!r})")
@@ -92,3 +90,14 @@ def build_scheduler(
         return fn(i + 1, **kw)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
+def rates_at_current_step(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """Give every parameter group this schedule's rate at the scheduler's current step.
+
+    After a resume the optimizer state holds the saved run's rates, and this run's schedule may differ (a
+    longer ``train.steps``): the first resumed step must use this run's. Stepping the scheduler back and
+    forward again recomputes the rates through its public API.
+    """
+    scheduler.last_epoch -= 1
+    scheduler.step()

@@ -74,9 +74,7 @@ def build_layouts(engine: Any, opt: torch.optim.Optimizer) -> dict[int, GroupLay
     if zopt is opt or name == "FP16_UnfusedOptimizer":
         return {}  # the optimizer sees whole tensors
     if getattr(zopt, "cpu_offload", False):
-        raise RuntimeError(
-            "LANS/LAMB with ZeRO optimizer offload is not supported yet; disable offload_optimizer"
-        )
+        raise RuntimeError("LANS/LAMB with ZeRO optimizer offload is not supported yet; disable offload_optimizer")
     groups = _zero_groups(zopt)
     if groups is None:
         raise RuntimeError(
@@ -102,9 +100,7 @@ def build_layouts(engine: Any, opt: torch.optim.Optimizer) -> dict[int, GroupLay
             if addr.numel <= 0:
                 continue
             if addr.start < 0 or addr.start + addr.numel > flat.numel():
-                raise RuntimeError(
-                    f"LANS/LAMB: fragment of tensor {t} in group {i} lies outside the partition"
-                )
+                raise RuntimeError(f"LANS/LAMB: fragment of tensor {t} in group {i} lies outside the partition")
             starts.append(int(addr.start))
             numels.append(int(addr.numel))
             index.append(t)

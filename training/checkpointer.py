@@ -1,0 +1,247 @@
+"""The trainer's checkpointing: when to save, how (synchronously or in the background), and restore.
+
+``Checkpointer`` owns every decision the training loop used to make about checkpoints: the interval
+(``checkpoint.every``, or ``auto``: Young's interval from the save cost measured in the run and the failure
+rate), the background save in flight and what the step's collective says of it, the last save after SIGTERM
+(only when it fits in ``checkpoint.preempt_grace_s``), and the restore of a resumed run (check, convert,
+load, the hooks that run after a load, re-seed, the schedule's rate). It takes only what it needs: the
+checkpoint section and folder, the engine, the run's identity, the re-seed callback and the hooks.
+
+Storage, the write-and-vote protocol and the resume decision are in ``training.checkpoint``,
+``training.saving`` and ``training.resume``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from common.log import get_logger
+from training import collectives, events, saving
+from training.checkpoint import latest_complete, load, read_client_state, resolve, to_universal
+from training.clock import Clock
+from training.config import CheckpointSection
+from training.resume import ResumePoint, RunIdentity, check_compatible
+from training.schedules import rates_at_current_step
+
+log = get_logger("train")
+
+
+def young_interval(save_s: float, step_s: float, job_mtbf_s: float) -> dict[str, float]:
+    """Checkpoint interval from the failure rate: Young's first-order optimum sqrt(2 x C x MTBF).
+
+    ``save_s``: the training stall of one save (C); ``step_s``: one optimizer step; ``job_mtbf_s``: the job's
+    mean time between failures. Returns the interval in seconds and whole steps (at least 1) and the expected
+    loss per failure: half an interval of re-done work on average (restart and load come on top).
+    """
+    interval_s = math.sqrt(2.0 * max(save_s, 1e-6) * job_mtbf_s)
+    steps = max(1, int(round(interval_s / max(step_s, 1e-9))))
+    return {"interval_s": interval_s, "steps": steps, "expected_loss_s": steps * step_s / 2.0}
+
+
+@dataclass
+class EventLog:
+    """Where the checkpoint events of this start go (rank 0 writes them)."""
+
+    run_dir: Path
+    attempt: int
+    nodes: int = 1
+
+
+class Checkpointer:
+    def __init__(
+        self,
+        section: CheckpointSection,
+        ckpt_dir: Path,
+        engine: Any,
+        identity: RunIdentity,
+        reseed: Callable[[int], None],
+        *,
+        events_to: EventLog,
+        after_load: Sequence[Callable[[Any], None]] = (),
+    ) -> None:
+        self.cfg, self.dir, self.engine, self.identity = section, ckpt_dir, engine, identity
+        self.reseed, self.after_load, self.log = reseed, after_load, events_to
+        self.rank = collectives.rank()
+        self.clock: Clock | None = None  # the trainer's: saving stalls training and is paused out of its window
+        self.last_save_s: float | None = None  # the training stall of the newest save
+        self.full_save_s: float | None = None  # a whole save's duration (the grace check after SIGTERM)
+        self.pending: saving.BackgroundSave | None = None
+        self.last_saved = -1
+        self._auto_next: int | None = None  # checkpoint.every=auto: the step of the next save
+        self._auto_mark = (0.0, 0)  # (perf_counter, step) at the end of the newest save
+
+    # ------------------------------------------------------------------ when
+    def begin(self, step: int, warmup_steps: int) -> None:
+        """The loop starts at ``step``; ``auto`` saves first right after the warm-up, to measure the cost."""
+        if self.cfg.every == "auto":
+            self._auto_next = step + warmup_steps + 1
+            self._auto_mark = (time.perf_counter(), step)
+
+    def due(self, step: int) -> bool:
+        every = self.cfg.every
+        if every == "auto":
+            return self._auto_next is not None and step >= self._auto_next
+        return bool(every) and step % every == 0
+
+    def _plan_next(self, step: int, save_started: float) -> None:
+        """checkpoint.every=auto: Young's interval from this run's save cost and step time (every rank agrees
+        on the worst of them: a save is collective)."""
+        t_mark, s_mark = self._auto_mark
+        if step > s_mark and self.last_save_s is not None and self.cfg.mtbf_hours:
+            local_step_s = (save_started - t_mark) / (step - s_mark)
+            save_s, step_s = collectives.all_reduce_values([self.last_save_s, local_step_s], "max")
+            job_mtbf_s = self.cfg.mtbf_hours * 3600.0 / max(1, self.log.nodes)
+            plan = young_interval(save_s, step_s, job_mtbf_s)
+            self._auto_next = step + int(plan["steps"])
+            if self.rank == 0:
+                log.info(
+                    f"checkpoint.every=auto: save {save_s:.2f} s, step {step_s:.3f} s, job MTBF "
+                    f"{job_mtbf_s / 3600:.1f} h ({self.cfg.mtbf_hours:g} h per node / {self.log.nodes} nodes): "
+                    f"every {int(plan['steps'])} steps ({plan['interval_s'] / 60:.1f} min); expected loss "
+                    f"per failure {plan['expected_loss_s'] / 60:.1f} min of re-done steps plus the restart"
+                )
+                events.record(self.log.run_dir, "checkpoint_interval", attempt=self.log.attempt, rank=0,
+                              step=step, every_steps=int(plan["steps"]), interval_s=round(plan["interval_s"], 3),
+                              save_s=round(save_s, 4), step_s=round(step_s, 4), job_mtbf_s=round(job_mtbf_s, 1),
+                              expected_loss_s=round(plan["expected_loss_s"], 3))  # fmt: skip
+        self._auto_mark = (time.perf_counter(), step)
+
+    def fits_after_sigterm(self, step: int, requested_at: float | None) -> bool:
+        """After SIGTERM: whether a save can finish in what remains of ``checkpoint.preempt_grace_s``, judged by
+        the previous save's duration (unknown: try). Rank 0 decides for every rank (a save is collective)."""
+        now = time.monotonic()
+        remaining = self.cfg.preempt_grace_s - (now - (requested_at or now))
+        fits = self.full_save_s is None or self.full_save_s <= remaining
+        if not collectives.broadcast_object(fits):
+            log.warning(
+                f"SIGTERM: no checkpoint at step {step}: the last save took {self.full_save_s or 0:.1f} s and "
+                f"{max(0.0, remaining):.1f} s of checkpoint.preempt_grace_s={self.cfg.preempt_grace_s:g} "
+                f"remain; the next start resumes from {latest_complete(self.dir) or 'the beginning'}"
+            )
+            return False
+        return True
+
+    # ------------------------------------------------------------------ saving
+    def save(self, step: int, progress: dict[str, Any], background: bool = False) -> str:
+        """Save at ``step`` (``progress``: step, samples, tokens, loader position): synchronously, or
+        (``background``, ``checkpoint.async_save``) with the files written while training goes on and
+        committed once every rank reports them durable. A save first finishes the background one in flight."""
+        t0 = time.perf_counter()
+        self.finish_pending()  # its wait is part of this save's stall (and of checkpoint.every=auto's C)
+        t1 = time.perf_counter()
+        client = {**self.identity.to_dict(), **progress}
+        if background:
+            pending = saving.save_in_background(self.engine, self.dir, step, client)
+            tag = pending.tag
+        else:
+            tag = saving.save(self.engine, self.dir, step, client, self.cfg.keep)
+        self.last_save_s = time.perf_counter() - t0
+        self._stalled(time.perf_counter() - t1)  # the wait above is counted where it happened
+        self.last_saved = step
+        if background:
+            pending.stall_s, pending.done_at = self.last_save_s, time.time()
+            self.pending = pending
+        else:
+            self.full_save_s = self.last_save_s
+            log.info(f"saved checkpoint {self.dir / tag}")
+            self._record(step, tag, self.last_save_s)
+        return tag
+
+    def save_scheduled(self, step: int, progress: dict[str, Any]) -> None:
+        """The loop's save at a due step: in the background when ``checkpoint.async_save``; with
+        ``checkpoint.every=auto``, the next save is planned from this one's cost."""
+        started = time.perf_counter()
+        self.save(step, progress, background=self.cfg.async_save)
+        if self.cfg.every == "auto":
+            self._plan_next(step, started)
+
+    def _stalled(self, seconds: float) -> None:
+        if self.clock is not None:
+            self.clock.save_s += seconds
+
+    def _record(self, step: int, tag: str, save_s: float, **more: Any) -> None:
+        if self.rank == 0:
+            events.record(self.log.run_dir, "checkpoint", attempt=self.log.attempt, rank=0, step=step, tag=tag,
+                          save_s=round(save_s, 4), **more)  # fmt: skip
+
+    def _committed(self, pending: saving.BackgroundSave) -> None:
+        self.full_save_s = pending.stall_s + pending.write_s
+        log.info(f"saved checkpoint {self.dir / pending.tag} (written in the background in {pending.write_s:.2f} s)")
+        self._record(pending.step, pending.tag, pending.stall_s, write_s=round(pending.write_s, 4),
+                     done_at=pending.done_at)  # fmt: skip
+
+    def follow(self, step: int, as_of: int, written: int, failed: bool, world: int) -> bool:
+        """What the step's collective says of the background save in flight, as of step ``as_of``
+        (``written``: ranks whose files are durable; ``failed``: a rank's write or rank 0's commit failed):
+        every rank's files are durable (rank 0 commits now), the commit stood (the save is done), or a
+        failure: False, and every rank stops at ``step`` (``finish_pending`` raises the line)."""
+        pending = self.pending
+        if pending is None or as_of <= pending.reported_step:
+            return True
+        if failed:
+            log.warning(f"stopping after step {step}: a background checkpoint save failed")
+            return False
+        if pending.committed:  # and no rank reported the commit failed
+            self.pending = None
+        elif written == world:
+            clock = self.clock
+            was_running = clock is not None and clock.running
+            if clock is not None:
+                clock.close()  # rank 0's commit (COMPLETE, latest, old tags removed) is not training time
+            t0 = time.perf_counter()
+            if pending.commit(self.cfg.keep):
+                self._committed(pending)
+            self._stalled(time.perf_counter() - t0)
+            pending.reported_step = step  # the next collective says whether the commit stood
+            if was_running and clock is not None:
+                clock.open()
+        return True
+
+    def finish_pending(self) -> None:
+        """Every rank at the same point: wait for the background save in flight (if any) and commit it, or
+        raise its failure (the same line on every rank)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        t0 = time.perf_counter()
+        already = pending.committed
+        pending.finish(self.cfg.keep)
+        self._stalled(time.perf_counter() - t0)  # waiting for it stalls training too
+        if not already:
+            self._committed(pending)
+
+    # ------------------------------------------------------------------ loading
+    def restore(self, point: ResumePoint) -> None:
+        """check -> convert -> load -> hooks -> re-seed: continue a run from ``point`` on every rank.
+
+        The learning rate of the first resumed step comes from this run's schedule (which may be longer than
+        the saved run's), not from the rate stored in the optimizer state.
+        """
+        check_compatible(point.saved, self.identity, point.ckpt_dir / point.tag)
+        wait_s = self.cfg.convert_timeout_s
+        tag = to_universal(point.ckpt_dir, point.tag, wait_s) if point.universal else point.tag
+        self._load(point.ckpt_dir, tag)
+        if point.universal:  # per-rank RNG streams cannot carry over to another world size: from the step
+            self.reseed(point.saved["step"])
+        if self.engine.lr_scheduler is not None:
+            rates_at_current_step(self.engine.lr_scheduler)
+        self.last_saved = point.saved["step"]
+        log.info(f"resumed from {point.ckpt_dir / tag} at step {point.saved['step']}")
+
+    def initialise_from(self, path: Path) -> None:
+        """Phase 2: this checkpoint's weights, with a fresh optimizer, step count and schedule."""
+        init_dir, init_tag = resolve(path, "train.init_from")
+        check_compatible(read_client_state(init_dir, init_tag), self.identity, init_dir / init_tag)
+        self._load(init_dir, init_tag, module_only=True)
+        log.info(f"initialised weights from {init_dir / init_tag} (fresh optimizer, step count and schedule)")
+
+    def _load(self, ckpt_dir: Path, tag: str, module_only: bool = False) -> None:
+        load(self.engine, ckpt_dir, tag, module_only=module_only)
+        if not module_only:  # the optimizer was loaded: e.g. LANS's per-tensor layout, rebuilt from its links
+            for hook in self.after_load:
+                hook(self.engine)

@@ -1,0 +1,60 @@
+"""The training log: every ``logging.every`` steps a record to RUN_DIR/metrics.jsonl, the console, wandb and
+TensorBoard, written by rank 0 alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from common.log import get_logger
+
+log = get_logger("train")
+
+LOSS_PARTS = ("mlm_loss", "nsp_loss")  # logged beside the total loss when the model returns them
+_EVAL_LABELS = (("eval_loss", "eval loss"), ("eval_mlm_accuracy", "eval MLM acc"),
+                ("eval_nsp_accuracy", "eval NSP acc"), ("eval_perplexity", "eval ppl"))  # fmt: skip
+
+
+class Logbook:
+    """Rank 0's record of a run. Every row carries ``attempt``: the steps a restart re-does stay visible."""
+
+    def __init__(self, run_dir: Path, rank: int, attempt: int, total_steps: int, monitor: Any = None) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.rank, self.attempt, self.total_steps = rank, attempt, total_steps
+        self.monitor = monitor  # DeepSpeed's (TensorBoard), when enabled
+        self.wandb_run: Any = None
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        record = {"attempt": self.attempt, **record}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            numbers = {k: v for k, v in record.items() if isinstance(v, int | float)}
+            self.wandb_run.log(numbers, step=record["step"])
+        if self.monitor is not None and self.monitor.enabled:
+            points = [(f"train/{k}", v, record["step"]) for k, v in record.items() if isinstance(v, float)]
+            self.monitor.write_events(points)
+
+    def console(self, record: dict[str, Any]) -> None:
+        if self.rank != 0:
+            return
+        parts = [f"step {record['step']}/{self.total_steps}"]
+        if "loss" in record:
+            parts.append(f"loss {record['loss']:.4f}")
+            parts += [f"{k.replace('_loss', '').upper()} {record[k]:.4f}" for k in LOSS_PARTS if k in record]
+            parts.append(f"lr {record['lr']:.3e}")
+        if "sequences_per_sec" in record:
+            parts += [f"{record['sequences_per_sec']:.1f} seq/s", f"{record['tokens_per_sec']:.0f} tok/s",
+                      f"{record['tflops_per_device']:.3f} TFLOP/s/dev"]  # fmt: skip
+            if record.get("mfu") is not None:
+                parts.append(f"MFU {100 * record['mfu']:.1f}%")
+        parts += [f"{label} {record[k]:.4f}" for k, label in _EVAL_LABELS if k in record]
+        log.info(" | ".join(parts))
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None
