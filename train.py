@@ -53,8 +53,14 @@ def run(cfg: Config) -> int:
     data = open_data(cfg.data, cfg.train, cfg.model.name, family, grad_accum, rank, world)
     spec = model_spec(cfg.model, cfg.data, data.attrs)
     check_shared(ckpt_dir)
-    point = find_resume(cfg.checkpoint, ckpt_dir, world=world, global_batch=cfg.train.global_batch,
-                        steps=cfg.train.steps, optimizer=cfg.optimizer.name)  # fmt: skip
+    point = find_resume(
+        cfg.checkpoint,
+        ckpt_dir,
+        world=world,
+        global_batch=cfg.train.global_batch,
+        steps=cfg.train.steps,
+        optimizer=cfg.optimizer.name,
+    )
     if point is not None and point.saved["step"] == cfg.train.steps:
         log.info(f"{point.ckpt_dir / point.tag} is already at train.steps={cfg.train.steps}: nothing to train")
         return 0
@@ -63,16 +69,32 @@ def run(cfg: Config) -> int:
     engine = build_engine(cfg.model, cfg.optimizer, cfg.schedule, cfg.train, spec, ds_config, rank)
     resolved = cfg.to_dict()
     events_to = EventLog(run_dir, next_attempt(run_dir, rank), node_count())
-    checkpointer = Checkpointer(cfg.checkpoint, ckpt_dir, engine, run_identity(spec, data, world, cfg.train,
-                                cfg.optimizer, resolved), lambda step: seed_everything(cfg.train.seed + 1000 * rank
-                                + step), events_to=events_to, after_load=[attach_zero])  # fmt: skip
+    checkpointer = Checkpointer(
+        cfg.checkpoint,
+        ckpt_dir,
+        engine,
+        run_identity(spec, data, world, cfg.train, cfg.optimizer, resolved),
+        lambda step: seed_everything(cfg.train.seed + 1000 * rank + step),
+        events_to=events_to,
+        after_load=[attach_zero],
+    )
     facts = run_facts(cfg, spec, family, world, grad_accum, engine, events_to)
-    trainer = Trainer(engine, data.loader, eval_set=data.eval_set, train=cfg.train, checkpointer=checkpointer,
-                      logbook=Logbook(run_dir, rank, events_to.attempt, cfg.train.steps, engine.monitor),
-                      events_to=events_to, grad_accum=grad_accum, seq_len=cfg.data.seq_len,
-                      flops_per_token=facts.flops_per_token, peak_flops=facts.peak_flops_per_device,
-                      warmup_steps=cfg.logging.warmup_steps, log_every=cfg.logging.every,
-                      data_watchdog=DataWatchdog(cfg.deepspeed.timeout_s, cfg.data.num_workers, run_dir))  # fmt: skip
+    trainer = Trainer(
+        engine,
+        data.loader,
+        eval_set=data.eval_set,
+        train=cfg.train,
+        checkpointer=checkpointer,
+        logbook=Logbook(run_dir, rank, events_to.attempt, cfg.train.steps, engine.monitor),
+        events_to=events_to,
+        grad_accum=grad_accum,
+        seq_len=cfg.data.seq_len,
+        flops_per_token=facts.flops_per_token,
+        peak_flops=facts.peak_flops_per_device,
+        warmup_steps=cfg.logging.warmup_steps,
+        log_every=cfg.logging.every,
+        data_watchdog=DataWatchdog(cfg.deepspeed.timeout_s, cfg.data.num_workers, run_dir),
+    )
     try:
         if point is not None:
             checkpointer.restore(point)
@@ -101,13 +123,25 @@ def run_facts(cfg: Config, spec, family, world: int, grad_accum: int, engine, ev
     if peak is not None:  # ranks of one job report one MFU: the best peak any of them measured
         peak = collectives.all_reduce_values([peak], "max")[0]
     return RunFacts(
-        model=spec.name, family=spec.family, world_size=world, nodes=events_to.nodes, device_kind=device,
-        threads_per_rank=_threads(), precision=cfg.deepspeed.precision, zero_stage=engine.zero_optimization_stage(),
-        zero_stage_requested=cfg.deepspeed.zero_stage, optimizer=cfg.optimizer.name,
-        micro_batch=cfg.train.micro_batch, global_batch=cfg.train.global_batch, grad_accum=grad_accum,
-        seq_len=cfg.data.seq_len, flops_per_token=flops, peak_flops_per_device=peak, attempt=events_to.attempt,
+        model=spec.name,
+        family=spec.family,
+        world_size=world,
+        nodes=events_to.nodes,
+        device_kind=device,
+        threads_per_rank=_threads(),
+        precision=cfg.deepspeed.precision,
+        zero_stage=engine.zero_optimization_stage(),
+        zero_stage_requested=cfg.deepspeed.zero_stage,
+        optimizer=cfg.optimizer.name,
+        micro_batch=cfg.train.micro_batch,
+        global_batch=cfg.train.global_batch,
+        grad_accum=grad_accum,
+        seq_len=cfg.data.seq_len,
+        flops_per_token=flops,
+        peak_flops_per_device=peak,
+        attempt=events_to.attempt,
         config=cfg.to_dict(),
-    )  # fmt: skip
+    )
 
 
 def announce(cfg: Config, facts, ds_config: dict, trainer, point) -> None:
@@ -129,13 +163,27 @@ def announce(cfg: Config, facts, ds_config: dict, trainer, point) -> None:
         f"{facts.optimizer} | {facts.device_kind} | attempt {facts.attempt}"
     )
     trainer.logbook.wandb_run = start_wandb(cfg, run_dir, facts.config)
-    events.record(run_dir, "start", attempt=facts.attempt, rank=0, world_size=facts.world_size,
-                  nodes=facts.nodes, step=trainer.state.step, resumed_from=point.tag if point else None,
-                  restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-                  startup_s=round(trainer.startup_s, 3))  # fmt: skip
+    events.record(
+        run_dir,
+        "start",
+        attempt=facts.attempt,
+        rank=0,
+        world_size=facts.world_size,
+        nodes=facts.nodes,
+        step=trainer.state.step,
+        resumed_from=point.tag if point else None,
+        restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        startup_s=round(trainer.startup_s, 3),
+    )
     if point is not None and point.saved["world_size"] != facts.world_size:
-        events.record(run_dir, "world_size_change", attempt=facts.attempt, rank=0,
-                      previous=point.saved["world_size"], world_size=facts.world_size)  # fmt: skip
+        events.record(
+            run_dir,
+            "world_size_change",
+            attempt=facts.attempt,
+            rank=0,
+            previous=point.saved["world_size"],
+            world_size=facts.world_size,
+        )
 
 
 def report(facts, trainer, perf: dict) -> None:
@@ -148,16 +196,24 @@ def report(facts, trainer, perf: dict) -> None:
 
     rank, run_dir = collectives.rank(), trainer.events_to.run_dir
     if rank == 0 and not perf["stopped"]:
-        events.record(run_dir, "finish", attempt=facts.attempt, rank=0, step=trainer.state.step,
-                      samples=trainer.state.samples)  # fmt: skip
+        events.record(
+            run_dir, "finish", attempt=facts.attempt, rank=0, step=trainer.state.step, samples=trainer.state.samples
+        )
     if facts.zero_stage < 3:  # replicas hold full parameters: they must agree bit for bit
         write_replica_digest(run_dir, trainer.engine.module, rank, facts.world_size)
     peak_mem = collectives.all_reduce_values([float(peak_memory_bytes())], "max")[0]
     if rank == 0 and (not perf["stopped"] or "sequences_per_sec" in perf):
-        summary = summarize(facts, trainer.state.to_dict(), perf, events.read(run_dir),
-                            peak_memory_bytes=int(peak_mem), startup_s=trainer.startup_s,
-                            wall_time_s=process_age_s(), final_loss=trainer.last_loss,
-                            evaluation=trainer.last_eval).to_dict()  # fmt: skip
+        summary = summarize(
+            facts,
+            trainer.state.to_dict(),
+            perf,
+            events.read(run_dir),
+            peak_memory_bytes=int(peak_mem),
+            startup_s=trainer.startup_s,
+            wall_time_s=process_age_s(),
+            final_loss=trainer.last_loss,
+            evaluation=trainer.last_eval,
+        ).to_dict()
         atomic_write_json(run_dir / "summary.json", summary)
         keys = ("model", "world_size", "steps", "sequences_per_sec", "tokens_per_sec", "mfu")
         log.info("summary: " + json.dumps({k: summary.get(k) for k in keys}))
@@ -178,8 +234,9 @@ def start_wandb(cfg: Config, run_dir: Path, resolved: dict):
         import wandb
     except ImportError:
         raise UserError("logging.wandb.project is set but wandb is not installed: pip install wandb") from None
-    return wandb.init(project=w.project, entity=w.entity, name=w.name or cfg.run.name, mode=w.mode,
-                      config=resolved, dir=str(run_dir))  # fmt: skip
+    return wandb.init(
+        project=w.project, entity=w.entity, name=w.name or cfg.run.name, mode=w.mode, config=resolved, dir=str(run_dir)
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -90,9 +90,7 @@ def hf_bert_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         "input_ids": batch["input_ids"],
         "token_type_ids": batch["token_type_ids"],
         "attention_mask": batch["attention_mask"],
-        "labels": dense_mlm_labels(
-            batch["masked_lm_positions"], batch["masked_lm_ids"], batch["input_ids"].size(1)
-        ),
+        "labels": dense_mlm_labels(batch["masked_lm_positions"], batch["masked_lm_ids"], batch["input_ids"].size(1)),
         "next_sentence_label": batch["next_sentence_labels"],
     }
 
@@ -185,17 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps <= args.warmup:
         raise UserError(f"--steps={args.steps} must exceed --warmup={args.warmup}")
     if args.global_batch % args.micro_batch:
-        raise UserError(
-            f"--global-batch={args.global_batch} is not a multiple of --micro-batch={args.micro_batch}"
-        )
+        raise UserError(f"--global-batch={args.global_batch} is not a multiple of --micro-batch={args.micro_batch}")
     torch.set_num_threads(args.threads)
     try:
         import accelerate  # noqa: F401  (Trainer's hard requirement; fail with a clear line, not deep inside)
         from transformers import Trainer, TrainerCallback, TrainingArguments
     except ImportError as e:
-        raise UserError(
-            f"transformers.Trainer is not usable ({e}); pip install 'accelerate>=1.1.0'"
-        ) from None
+        raise UserError(f"transformers.Trainer is not usable ({e}); pip install 'accelerate>=1.1.0'") from None
 
     from model.registry import family_of, get_spec
 

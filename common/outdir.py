@@ -40,9 +40,7 @@ def prepare_out_dir(out: Path, overwrite: bool) -> bool:
         else:
             entries += 1
     if entries and not overwrite:
-        raise UserError(
-            f"{out}: output directory is not empty ({entries} entries); pass --overwrite to replace it"
-        )
+        raise UserError(f"{out}: output directory is not empty ({entries} entries); pass --overwrite to replace it")
     return False
 
 
@@ -52,9 +50,7 @@ def remove_stale(out: Path, written: Iterable[str], is_output: Callable[[str], o
     Returns the names removed, sorted.
     """
     keep = set(written)
-    stale = sorted(
-        p.name for p in Path(out).iterdir() if p.is_file() and is_output(p.name) and p.name not in keep
-    )
+    stale = sorted(p.name for p in Path(out).iterdir() if p.is_file() and is_output(p.name) and p.name not in keep)
     for name in stale:
         (Path(out) / name).unlink()
     return stale

@@ -44,29 +44,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         required=True,
         help="text dir (or one .txt file): one sentence per line, blank line between documents",
     )
-    p.add_argument(
-        "--vocab", required=True, help="WordPiece vocab.txt (must contain [CLS] [SEP] [MASK] [PAD])"
-    )
+    p.add_argument("--vocab", required=True, help="WordPiece vocab.txt (must contain [CLS] [SEP] [MASK] [PAD])")
     p.add_argument("--out", required=True, help="output dir for bert-NNNNN.h5 shards and manifest.json")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--max-pred", type=int, default=20, help="max masked positions per instance")
-    p.add_argument(
-        "--dupe-factor", type=int, default=5, help="passes over the corpus with different masks/splits"
-    )
+    p.add_argument("--dupe-factor", type=int, default=5, help="passes over the corpus with different masks/splits")
     p.add_argument("--masked-lm-prob", type=float, default=0.15)
     p.add_argument("--short-seq-prob", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=12345)
     p.add_argument("--workers", type=int, default=1, help="worker processes (output does not depend on it)")
-    p.add_argument(
-        "--shards", type=int, default=0, help="number of output shards (0: one per 32 MiB of text)"
-    )
+    p.add_argument("--shards", type=int, default=0, help="number of output shards (0: one per 32 MiB of text)")
     p.add_argument("--whole-word-masking", action="store_true")
-    p.add_argument(
-        "--lowercase", dest="lowercase", action="store_true", default=True, help="uncased vocab (default)"
-    )
-    p.add_argument(
-        "--cased", dest="lowercase", action="store_false", help="cased vocab: keep case and accents"
-    )
+    p.add_argument("--lowercase", dest="lowercase", action="store_true", default=True, help="uncased vocab (default)")
+    p.add_argument("--cased", dest="lowercase", action="store_false", help="cased vocab: keep case and accents")
     p.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --out")
     p.add_argument("--no-progress", action="store_true")
 
@@ -84,9 +74,7 @@ def _shard_task(
     t0 = time.perf_counter()
     words = check_bert_vocab(vocab)
     index = {w: i for i, w in enumerate(words)}
-    pool = np.array(
-        [i for i, w in enumerate(words) if not (w.startswith("[") and w.endswith("]"))], dtype=np.int32
-    )
+    pool = np.array([i for i, w in enumerate(words) if not (w.startswith("[") and w.endswith("]"))], dtype=np.int32)
     sp = SpecialIds(index["[PAD]"], index["[CLS]"], index["[SEP]"], index["[MASK]"], len(words), pool)
     is_subword = np.array([w.startswith("##") for w in words], dtype=bool)
     # one tokenizer (and its chunk cache) per worker process, reused across shards: speed only, the
@@ -99,9 +87,7 @@ def _shard_task(
     ts = tokenize_sentences(tok, shard)
     t_tok = time.perf_counter()
     ss = np.random.SeedSequence([seed, shard.index])
-    rng_pairs, rng_trunc, rng_shuffle, rng_mask = (
-        np.random.Generator(np.random.PCG64(c)) for c in ss.spawn(4)
-    )
+    rng_pairs, rng_trunc, rng_shuffle, rng_mask = (np.random.Generator(np.random.PCG64(c)) for c in ss.spawn(4))
     n_inst = 0
     if ts.num_docs:
         pairs = build_pairs(ts, s, rng_pairs)

@@ -35,16 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--src", required=True, help="shard directory (with or without manifest), file or glob")
     p.add_argument("--out", required=True, help="output dir for format-2 shards and manifest.json")
     p.add_argument("--kind", choices=("auto", "bert", "gpt"), default="auto")
-    p.add_argument(
-        "--vocab", help="BERT: the vocab.txt the shards were made with (required when they do not say)"
-    )
-    p.add_argument(
-        "--tokenizer", help="GPT: the tokenizer.json the shards were made with (when they do not say)"
-    )
+    p.add_argument("--vocab", help="BERT: the vocab.txt the shards were made with (required when they do not say)")
+    p.add_argument("--tokenizer", help="GPT: the tokenizer.json the shards were made with (when they do not say)")
     case = p.add_mutually_exclusive_group()
-    case.add_argument(
-        "--lowercase", dest="lowercase", action="store_true", default=None, help="uncased vocab"
-    )
+    case.add_argument("--lowercase", dest="lowercase", action="store_true", default=None, help="uncased vocab")
     case.add_argument("--cased", dest="lowercase", action="store_false", help="cased vocab")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--overwrite", action="store_true")
@@ -83,9 +77,7 @@ def _vocab_settings(
                     f"{src}: these shards do not record their vocabulary: give --vocab (the vocab.txt they "
                     "were made with)"
                 )
-            return {
-                k: have[k] for k in ("vocab_sha256", "vocab_size", "vocab_file", "lowercase") if k in have
-            }
+            return {k: have[k] for k in ("vocab_sha256", "vocab_size", "vocab_file", "lowercase") if k in have}
         words = check_bert_vocab(vocab)
         got: dict[str, Any] = {
             "vocab_sha256": h5format.sha256_file(vocab),
@@ -226,9 +218,7 @@ def convert_shards(
         )
         count_key = "instances" if kind == "bert" else "samples"
         summary = dest.commit(results, settings, t0, rates=(count_key,))
-    summary.update(
-        kind=kind, src=src, samples=summary[count_key], samples_per_s=summary[f"{count_key}_per_s"]
-    )
+    summary.update(kind=kind, src=src, samples=summary[count_key], samples_per_s=summary[f"{count_key}_per_s"])
     return summary
 
 

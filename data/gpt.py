@@ -38,17 +38,13 @@ DATASET_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text", help="text dir (or .txt file) in NVIDIA's layout")
-    src.add_argument(
-        "--dataset", help="local json/jsonl/parquet/txt file, directory or glob (read with `datasets`)"
-    )
+    src.add_argument("--dataset", help="local json/jsonl/parquet/txt file, directory or glob (read with `datasets`)")
     p.add_argument("--text-field", default="text", help="record field holding the document (--dataset)")
     p.add_argument("--tokenizer", required=True, help="tokenizers tokenizer.json with an <|endoftext|> token")
     p.add_argument("--out", required=True, help="output dir for gpt-NNNNN.h5 shards and manifest.json")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample is seq_len + 1")
     p.add_argument("--workers", type=int, default=1)
-    p.add_argument(
-        "--shards", type=int, default=0, help="number of output shards (0: one per 32 MiB of text)"
-    )
+    p.add_argument("--shards", type=int, default=0, help="number of output shards (0: one per 32 MiB of text)")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true")
 
@@ -199,9 +195,7 @@ def dataset_documents(spec: str, field: str) -> Iterator[str]:
     try:
         from datasets import load_dataset
     except ImportError:
-        raise UserError(
-            "--dataset needs the 'datasets' package: pip install 'wikipretrain[datasets]'"
-        ) from None
+        raise UserError("--dataset needs the 'datasets' package: pip install 'wikipretrain[datasets]'") from None
 
     files = _dataset_files(spec)
     builder = DATASET_BUILDERS[files[0].suffix]
@@ -209,9 +203,7 @@ def dataset_documents(spec: str, field: str) -> Iterator[str]:
         ds = load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True)
         for rec in ds:
             if field not in rec:
-                raise UserError(
-                    f"{spec}: record has no field {field!r} (fields: {', '.join(rec)}); use --text-field"
-                )
+                raise UserError(f"{spec}: record has no field {field!r} (fields: {', '.join(rec)}); use --text-field")
             val = rec[field]
             if val is None:
                 continue

@@ -101,15 +101,11 @@ def write_attrs(f: h5py.File, attrs: Mapping[str, Any]) -> None:
         f.attrs[k] = "" if v is None else v
 
 
-def create_dataset(
-    f: h5py.File, name: str, shape: tuple[int, ...], dtype: str, chunk_rows: int
-) -> h5py.Dataset:
+def create_dataset(f: h5py.File, name: str, shape: tuple[int, ...], dtype: str, chunk_rows: int) -> h5py.Dataset:
     """Chunked by ``chunk_rows`` rows (``UNIT_ROWS`` of the kind), lzf compressed."""
     rows = max(1, min(chunk_rows, shape[0]))
     chunks = (rows, *shape[1:]) if shape[0] > 0 else None
-    return f.create_dataset(
-        name, shape=shape, dtype=dtype, chunks=chunks, compression=COMPRESSION if chunks else None
-    )
+    return f.create_dataset(name, shape=shape, dtype=dtype, chunks=chunks, compression=COMPRESSION if chunks else None)
 
 
 def _attr(v: Any) -> Any:
@@ -177,9 +173,7 @@ def inspect_shard(path: Path, kind: str) -> ShardInfo:
     for name, fld in SCHEMAS[kind].items():
         want = fld.row_width(inferred["seq_len"], inferred.get("max_pred", 0))
         if fld.rank == 2 and shapes[name][1] != want:
-            raise UserError(
-                f"{path}: dataset {name!r} is {shapes[name][1]} wide, expected {fld.width}={want}"
-            )
+            raise UserError(f"{path}: dataset {name!r} is {shapes[name][1]} wide, expected {fld.width}={want}")
     for k, v in inferred.items():
         if k in attrs and int(attrs[k]) != v:
             raise UserError(f"{path}: attribute {k}={attrs[k]} but the datasets' shape implies {v}")
@@ -249,9 +243,7 @@ def read_manifest(directory: Path, kind: str) -> ShardList:
         entries = []
         for rec in data["shards"]:
             samples = rec["samples"] if "samples" in rec else rec["instances"]
-            entries.append(
-                ShardEntry(directory / rec["file"], int(samples), rec.get("file_bytes"), rec.get("sha256"))
-            )
+            entries.append(ShardEntry(directory / rec["file"], int(samples), rec.get("file_bytes"), rec.get("sha256")))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{man}: not a valid shard manifest ({type(e).__name__}: {e})") from None
     if fmt != expected:
@@ -372,9 +364,7 @@ def check_consistent(infos: Iterable[ShardInfo], keys: Iterable[str]) -> dict[st
     return common
 
 
-def write_manifest(
-    out: Path, kind: str, shards: list[dict[str, Any]], settings: Mapping[str, Any]
-) -> dict[str, int]:
+def write_manifest(out: Path, kind: str, shards: list[dict[str, Any]], settings: Mapping[str, Any]) -> dict[str, int]:
     """``manifest.json``: the shard list with sample counts, the settings and totals (written atomically).
 
     Returns the totals: every integer field of the shard records summed."""

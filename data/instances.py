@@ -49,8 +49,7 @@ class BertSettings:
             raise UserError(f"--max-pred {self.max_pred}: must be >= 1")
         if self.seq_len < self.max_pred + 3:
             raise UserError(
-                f"--seq-len {self.seq_len} too small for --max-pred {self.max_pred}:"
-                " need seq_len >= max_pred + 3"
+                f"--seq-len {self.seq_len} too small for --max-pred {self.max_pred}: need seq_len >= max_pred + 3"
             )
         if not 0.0 < self.masked_lm_prob < 1.0:
             raise UserError(f"--masked-lm-prob {self.masked_lm_prob}: must be in (0, 1)")

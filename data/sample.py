@@ -27,14 +27,11 @@ def sample_dump_path() -> Path:
         return Path(override)
     spec = importlib.util.find_spec("gensim")
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(
-            "gensim is not installed, so its Wikipedia sample dump is absent (pip install gensim)"
-        )
+        raise UserError("gensim is not installed, so its Wikipedia sample dump is absent (pip install gensim)")
     for root in spec.submodule_search_locations:
         p = Path(root) / SAMPLE_RELPATH
         if p.is_file():
             return p
     raise UserError(
-        f"gensim is installed but {SAMPLE_RELPATH.name} is "
-        "missing from it (pip install --force-reinstall gensim)"
+        f"gensim is installed but {SAMPLE_RELPATH.name} is missing from it (pip install --force-reinstall gensim)"
     )

@@ -57,14 +57,10 @@ def list_text_files(text: str | os.PathLike) -> list[Path]:
     if not p.is_dir():
         raise UserError(f"{p}: text file or directory does not exist")
     files = sorted(
-        f
-        for f in p.rglob("*.txt")
-        if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        f for f in p.rglob("*.txt") if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
     )
     if not files:
-        raise UserError(
-            f"{p}: no .txt files in this directory (expected NVIDIA's layout: one sentence per line)"
-        )
+        raise UserError(f"{p}: no .txt files in this directory (expected NVIDIA's layout: one sentence per line)")
     return files
 
 

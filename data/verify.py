@@ -77,9 +77,7 @@ def verify_shards(path: str | Path, progress: bool | None = False) -> dict[str, 
     }
 
 
-REPORT = (
-    "verify: {dir}: {shards} {kind} shard(s), {samples} samples, {mib:.1f} MiB: {checked} match the manifest"
-)
+REPORT = "verify: {dir}: {shards} {kind} shard(s), {samples} samples, {mib:.1f} MiB: {checked} match the manifest"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -152,9 +152,7 @@ def read_have(freeze: str | None, have: list[str]) -> dict[str, str]:
             ver = _version_here(name)
             if ver is None:
                 if strict:
-                    raise UserError(
-                        f"{where}: no version given and {name} is not installed here; use NAME==VERSION"
-                    )
+                    raise UserError(f"{where}: no version given and {name} is not installed here; use NAME==VERSION")
                 continue  # a freeze line without a version for a package unknown here: not counted as present
             log.info(f"{where}: no version given; taking this machine's {name}=={ver}")
         out[name] = ver
@@ -213,9 +211,7 @@ def sha256(path: Path) -> str:
 def build_project_wheel(src: Path, dest: Path) -> Path:
     """The project's wheel, built from a scratch copy of the checkout (which so gets no build/ folder)."""
     if not (src / "pyproject.toml").is_file():
-        raise UserError(
-            f"{src}: no pyproject.toml; run the bundle command from a source checkout (or --project)"
-        )
+        raise UserError(f"{src}: no pyproject.toml; run the bundle command from a source checkout (or --project)")
     skip = shutil.ignore_patterns(
         ".git",
         ".venv",
@@ -282,9 +278,7 @@ def build_deepspeed_wheel(spec: Requirement, wanted: str | None, dest: Path) -> 
     if len(new) != 1:
         raise UserError(f"{req}: building the DeepSpeed wheel produced {len(new)} wheels, expected 1")
     if not new[0].name.endswith("-py3-none-any.whl"):
-        raise UserError(
-            f"{new[0].name}: the DeepSpeed wheel is platform-specific; rebuild with DS_BUILD_OPS=0"
-        )
+        raise UserError(f"{new[0].name}: the DeepSpeed wheel is platform-specific; rebuild with DS_BUILD_OPS=0")
     return new[0]
 
 
@@ -332,9 +326,7 @@ def download_build_backend(project: Path, target: Target, out: Path, scratch: Pa
     try:
         import tomllib
     except ImportError:  # Python 3.10
-        raise UserError(
-            "--build-backend reads pyproject.toml with tomllib: run with Python >= 3.11"
-        ) from None
+        raise UserError("--build-backend reads pyproject.toml with tomllib: run with Python >= 3.11") from None
     path = project / "pyproject.toml"
     try:
         requires = tomllib.loads(path.read_text(encoding="utf-8"))["build-system"]["requires"]
@@ -381,9 +373,7 @@ def build_bundle(
         requires = [str(r) for r in meta["requires_dist"]]
 
         local: dict[str, Path] = {proj_name: proj_whl}
-        ds_req = next(
-            (Requirement(r) for r in requires if canonicalize_name(Requirement(r).name) == "deepspeed"), None
-        )
+        ds_req = next((Requirement(r) for r in requires if canonicalize_name(Requirement(r).name) == "deepspeed"), None)
         if ds_req is not None and not target.has(ds_req):
             log.info("building DeepSpeed from its sdist (DS_BUILD_OPS=0) ...")
             local["deepspeed"] = build_deepspeed_wheel(ds_req, deepspeed, built)
@@ -391,10 +381,7 @@ def build_bundle(
         extra_s = f"[{','.join(extras)}]" if extras else ""
         roots = [f"{proj_name}{extra_s} @ {proj_whl.as_uri()}"]
         roots += [f"{name} @ {whl.as_uri()}" for name, whl in local.items() if name != proj_name]
-        log.info(
-            f"resolving {proj_name}{extra_s} for python {target.python_version} / "
-            f"{' '.join(target.platforms)}"
-        )
+        log.info(f"resolving {proj_name}{extra_s} for python {target.python_version} / {' '.join(target.platforms)}")
         wanted = resolve(target, roots, scratch)
 
         # Clear a previous bundle's files only now that the new one resolved.
@@ -464,9 +451,7 @@ def build_bundle(
         "platforms": target.platforms,
         "target_has": {k: v for k, v in sorted(target.have.items())},
         "upgraded": sorted(
-            f"{f['name']} {target.have[f['name']]} -> {f['version']}"
-            for f in files
-            if f["name"] in target.have
+            f"{f['name']} {target.have[f['name']]} -> {f['version']}" for f in files if f["name"] in target.have
         ),
         "install": f"pip install --no-index --find-links {out} '{proj_name}{extra_s}'",
         "total_bytes": sum(f["size"] for f in files),
@@ -489,9 +474,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="target wheel platform tag, repeatable (e.g. manylinux_2_28_x86_64); default: this one",
     )
-    parser.add_argument(
-        "--implementation", default="cp", help="target Python implementation tag (default cp)"
-    )
+    parser.add_argument("--implementation", default="cp", help="target Python implementation tag (default cp)")
     parser.add_argument(
         "--target-freeze",
         default=None,
@@ -503,23 +486,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="NAME==VERSION (or NAME, any version) the target already has; repeatable",
     )
-    parser.add_argument(
-        "--extras", default="", help="comma list of the project's extras to include (e.g. wandb)"
-    )
-    parser.add_argument(
-        "--deepspeed", default=None, help="DeepSpeed version to build (default: the one here)"
-    )
-    parser.add_argument(
-        "--sample", action="store_true", help="also carry the enwiki sample dump (sample/*.bz2)"
-    )
+    parser.add_argument("--extras", default="", help="comma list of the project's extras to include (e.g. wandb)")
+    parser.add_argument("--deepspeed", default=None, help="DeepSpeed version to build (default: the one here)")
+    parser.add_argument("--sample", action="store_true", help="also carry the enwiki sample dump (sample/*.bz2)")
     parser.add_argument(
         "--build-backend",
         action="store_true",
         help="also carry the build backend (setuptools), so `pip install -e .` of a checkout works offline",
     )
-    parser.add_argument(
-        "--project", default=str(PROJECT_ROOT), help="source checkout to build (default: this one)"
-    )
+    parser.add_argument("--project", default=str(PROJECT_ROOT), help="source checkout to build (default: this one)")
 
 
 def host_platforms() -> list[str]:
@@ -547,12 +522,8 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
-        raise UserError(
-            f"--out {out}: folder is not empty and holds no {MANIFEST}; give a new or empty folder"
-        )
-    target = Target(
-        args.python_version, platforms, args.implementation, read_have(args.target_freeze, args.have)
-    )
+        raise UserError(f"--out {out}: folder is not empty and holds no {MANIFEST}; give a new or empty folder")
+    target = Target(args.python_version, platforms, args.implementation, read_have(args.target_freeze, args.have))
     extras = [x.strip() for x in args.extras.split(",") if x.strip()]
     m = build_bundle(
         out,

@@ -144,9 +144,7 @@ class _Collectives:
         raise RuntimeError(f"no implementation of {op} works on this backend")
 
 
-def _bench_one(
-    fn: Callable[[], None], iters: int, warmup: int, budget_s: float, sync: Callable
-) -> tuple[float, int]:
+def _bench_one(fn: Callable[[], None], iters: int, warmup: int, budget_s: float, sync: Callable) -> tuple[float, int]:
     """Mean seconds per call (slowest rank) and the iteration count used."""
     from training import collectives
 
@@ -171,8 +169,7 @@ def _bench_one(
 
 def format_table(results: list[dict[str, Any]], world: int) -> str:
     lines = [
-        f"{'op':<15}{'size':>8}{'count':>12}{'iters':>7}"
-        f"{'time_us':>12}{'algbw_MB/s':>13}{'busbw_MB/s':>13}  impl",
+        f"{'op':<15}{'size':>8}{'count':>12}{'iters':>7}{'time_us':>12}{'algbw_MB/s':>13}{'busbw_MB/s':>13}  impl",
     ]
     for r in results:
         lines.append(
@@ -237,9 +234,7 @@ def run_rank(args: argparse.Namespace) -> int:
     if bad:
         raise UserError(f"unknown op(s) {bad}; choose from {', '.join(OPS)}")
     budget = args.time_budget_s if args.time_budget_s is not None else (2.0 if on_cpu else 0.0)
-    if (
-        args.api == "torch"
-    ):  # the peer: the same calls straight to torch.distributed, bypassing deepspeed.comm
+    if args.api == "torch":  # the peer: the same calls straight to torch.distributed, bypassing deepspeed.comm
         import torch.distributed as tdist
 
         colls = _Collectives(tdist, world)
@@ -287,9 +282,7 @@ def run_rank(args: argparse.Namespace) -> int:
                     "torch": torch.__version__,
                     "deepspeed": deepspeed.__version__,
                     "api": args.api,
-                    "conventions": (
-                        "nccl-tests: algbw=bytes/time, busbw=algbw*2(n-1)/n (all_reduce), *(n-1)/n"
-                    ),
+                    "conventions": ("nccl-tests: algbw=bytes/time, busbw=algbw*2(n-1)/n (all_reduce), *(n-1)/n"),
                     "results": results,
                 },
             )
@@ -299,9 +292,7 @@ def run_rank(args: argparse.Namespace) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--sizes", default=None, help="1K..256M (range) or 1K,32M (list); default 1K..32M on CPU"
-    )
+    parser.add_argument("--sizes", default=None, help="1K..256M (range) or 1K,32M (list); default 1K..32M on CPU")
     parser.add_argument("--factor", type=int, default=4, help="step between sizes of a range (default 4)")
     parser.add_argument("--ops", default=",".join(OPS), help="comma list of " + ", ".join(OPS))
     parser.add_argument("--iters", type=int, default=20, help="timed calls per size (upper bound on CPU)")
@@ -312,12 +303,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="cap timed seconds per size (default 2 on CPU, off on GPU)",
     )
-    parser.add_argument(
-        "--repeat", type=int, default=1, help="repeat the whole sweep (soak and failure tests)"
-    )
-    parser.add_argument(
-        "--timeout-s", type=float, default=120.0, help="collective timeout: a silent peer fails"
-    )
+    parser.add_argument("--repeat", type=int, default=1, help="repeat the whole sweep (soak and failure tests)")
+    parser.add_argument("--timeout-s", type=float, default=120.0, help="collective timeout: a silent peer fails")
     parser.add_argument(
         "--api",
         choices=["deepspeed", "torch"],
@@ -325,9 +312,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="call deepspeed.comm (default) or torch.distributed",
     )
     parser.add_argument("--out", default=None, help="write results JSON here (rank 0)")
-    parser.add_argument(
-        "--rank-info", default=None, help="directory: each rank writes rank<R>.json (host, address)"
-    )
+    parser.add_argument("--rank-info", default=None, help="directory: each rank writes rank<R>.json (host, address)")
     parser.add_argument(
         "--launch-local",
         type=int,

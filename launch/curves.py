@@ -81,8 +81,12 @@ def plot(run_dir: Path, out: Path, baseline: float | None = None) -> Path:
             ax_acc.axhline(baseline, color="grey", linestyle=":", label="MLM: most frequent token")
         ax_acc.set_ylim(bottom=0)
     elif ev_steps:
-        ax_acc.plot(ev_steps, [evals[s].get("eval_perplexity", float("nan")) for s in ev_steps], "o-",
-                    label="held-out perplexity")  # fmt: skip
+        ax_acc.plot(
+            ev_steps,
+            [evals[s].get("eval_perplexity", float("nan")) for s in ev_steps],
+            "o-",
+            label="held-out perplexity",
+        )
     ax_acc.set_xlabel("optimizer step")
     ax_acc.legend()
     fig.suptitle(str(run_dir))
@@ -96,9 +100,12 @@ def plot(run_dir: Path, out: Path, baseline: float | None = None) -> Path:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", type=Path, help="a run directory (RUN_DIR/metrics.jsonl)")
     p.add_argument("--out", type=Path, default=None, help="PNG path (default RUN_DIR/loss_curve.png)")
-    p.add_argument("--eval-data", type=Path, default=None,
-                   help="BERT: the held-out shards, to draw the most-frequent-token MLM "
-                       "baseline")  # fmt: skip
+    p.add_argument(
+        "--eval-data",
+        type=Path,
+        default=None,
+        help="BERT: the held-out shards, to draw the most-frequent-token MLM baseline",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,8 +117,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"MLM baseline: always predicting token {token} scores {baseline:.4f} on the held-out samples")
         from common.atomic import atomic_write_json
 
-        atomic_write_json(
-            out.with_suffix(".json"), {"mlm_majority_token": token, "mlm_majority_accuracy": baseline}
-        )
+        atomic_write_json(out.with_suffix(".json"), {"mlm_majority_token": token, "mlm_majority_accuracy": baseline})
     print(f"wrote {plot(args.run_dir, out, baseline)}")
     return 0

@@ -136,13 +136,24 @@ def agent_command(args: argparse.Namespace, nmin: int, nmax: int, job_id: str, r
     conf = f"last_call_timeout={args.last_call_s},join_timeout={args.join_timeout_s}"
     conf += f",is_host={str(hosts_rendezvous(args.rendezvous)).lower()}"
     return [
-        sys.executable, "-m", "launch.elastic", f"--run-dir={run_dir}", "-m", "torch.distributed.run",
-        f"--nnodes={nmin}:{nmax}", f"--nproc-per-node={args.procs_per_node}",
-        f"--max-restarts={args.max_restarts}", "--rdzv-backend=c10d", f"--rdzv-endpoint={args.rendezvous}",
-        f"--rdzv-id={job_id}", f"--rdzv-conf={conf}", "--monitor-interval=1",
+        sys.executable,
+        "-m",
+        "launch.elastic",
+        f"--run-dir={run_dir}",
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={nmin}:{nmax}",
+        f"--nproc-per-node={args.procs_per_node}",
+        f"--max-restarts={args.max_restarts}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={args.rendezvous}",
+        f"--rdzv-id={job_id}",
+        f"--rdzv-conf={conf}",
+        "--monitor-interval=1",
         *([f"--local-addr={args.local_addr}"] if args.local_addr else []),
-        str(REPO / "train.py"), *args.passthrough,
-    ]  # fmt: skip
+        str(REPO / "train.py"),
+        *args.passthrough,
+    ]
 
 
 def default_job_id() -> str:
@@ -174,23 +185,28 @@ def _hinted(name: str) -> str:
     return f"{name} ({hint})" if hint else name
 
 
-def rank_died(run_dir: Path, rank: int, local_rank: int, pid: int, signum: int, failures: int,
-              max_restarts: int) -> None:  # fmt: skip
+def rank_died(
+    run_dir: Path, rank: int, local_rank: int, pid: int, signum: int, failures: int, max_restarts: int
+) -> None:
     """A rank of this node ended by a signal: its ``failure`` event and one line, as train.py's own for a lost
     peer. ``failures`` counts this agent's failed rounds, this one included: the agent restarts while they
     are within ``max_restarts``."""
     name, host = signal_name(signum), socket.gethostname()
     why = f"died of {name} on host {host} (local rank {local_rank}, pid {pid})"
-    events.record(run_dir, "failure", rank=rank, why=why, signal=name, host=host, local_rank=local_rank,
-                  pid=pid)  # fmt: skip
+    events.record(run_dir, "failure", rank=rank, why=why, signal=name, host=host, local_rank=local_rank, pid=pid)
     if failures <= max_restarts:
         restart = f"restart {failures} of {max_restarts}"
         then = f"the elastic agent restarts the job from its last checkpoint ({restart})"
     else:
-        then = (f"the elastic agent's restart budget is spent (--max-restarts {max_restarts}): the job ends "
-                "here and resumes from its last checkpoint on the next start")  # fmt: skip
-    print(f"error: rank {rank} (local rank {local_rank}, pid {pid}) on host {host} died of {_hinted(name)}; "
-          f"{then}", file=sys.stderr, flush=True)  # fmt: skip
+        then = (
+            f"the elastic agent's restart budget is spent (--max-restarts {max_restarts}): the job ends "
+            "here and resumes from its last checkpoint on the next start"
+        )
+    print(
+        f"error: rank {rank} (local rank {local_rank}, pid {pid}) on host {host} died of {_hinted(name)}; {then}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def agent_main(argv: list[str]) -> int:
@@ -206,8 +222,11 @@ def agent_main(argv: list[str]) -> int:
     with 128 + its number after the agent has stopped the ranks.
     """
     if len(argv) < 3 or not argv[0].startswith("--run-dir=") or argv[1:3] != ["-m", "torch.distributed.run"]:
-        print("error: usage: python -m launch.elastic --run-dir=DIR -m torch.distributed.run ARGS (run by "
-              "python -m launch elastic)", file=sys.stderr)  # fmt: skip
+        print(
+            "error: usage: python -m launch.elastic --run-dir=DIR -m torch.distributed.run ARGS (run by "
+            "python -m launch elastic)",
+            file=sys.stderr,
+        )
         return EXIT_USER_ERROR
     run_dir, torchrun_args = Path(argv[0].split("=", 1)[1]), argv[3:]
 
@@ -228,14 +247,24 @@ def agent_main(argv: list[str]) -> int:
                 self.failures += 1
                 for rank, f in sorted(result.failures.items()):
                     if f.exitcode < 0:  # ended by a signal: no line of train.py's, no event
-                        rank_died(run_dir, rank, f.local_rank, f.pid, -f.exitcode, self.failures,
-                                  worker_group.spec.max_restarts)  # fmt: skip
+                        rank_died(
+                            run_dir,
+                            rank,
+                            f.local_rank,
+                            f.pid,
+                            -f.exitcode,
+                            self.failures,
+                            worker_group.spec.max_restarts,
+                        )
             return result
 
     if getattr(launcher_api, "LocalElasticAgent", None) is not LocalElasticAgent:  # a torch that builds it
         # elsewhere would silently lose the reports: say so instead
-        print(f"error: torch {torch.__version__}: torch.distributed.launcher.api no longer builds "
-              "LocalElasticAgent; launch elastic cannot follow its ranks", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: torch {torch.__version__}: torch.distributed.launcher.api no longer builds "
+            "LocalElasticAgent; launch elastic cannot follow its ranks",
+            file=sys.stderr,
+        )
         return 1
     launcher_api.LocalElasticAgent = Agent  # type: ignore[misc]
     sys.argv = ["torch.distributed.run", *torchrun_args]
@@ -311,15 +340,23 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, g
         return 0
     if signalled:
         name = signal.Signals(signalled[0]).name
-        print(f"launch elastic: {name}: the ranks stopped after saving; the job ends with code "
-              f"{EXIT_PREEMPTED} for the scheduler to requeue", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"launch elastic: {name}: the ranks stopped after saving; the job ends with code "
+            f"{EXIT_PREEMPTED} for the scheduler to requeue",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_PREEMPTED
     signum = -rc if rc < 0 else rc - 128 if 128 < rc < 128 + signal.NSIG else None  # agent_main's 128 + N
     if signum is not None:
         return agent_killed(run_dir, offset0, agent.pid, signum, killed=rc < 0)
     if not started:
-        print(f"error: the elastic agent ended (exit code {rc}) before training started: see its lines above "
-              f"(rendezvous {endpoint})", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"error: the elastic agent ended (exit code {rc}) before training started: see its lines above "
+            f"(rendezvous {endpoint})",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     print(
         "error: the job failed and the elastic agent's restart budget is spent "
@@ -344,14 +381,20 @@ def agent_killed(run_dir: Path, offset: int, pid: int, signum: int, killed: bool
     what = f"the elastic agent (pid {pid}) on host {host} {how} {name}"
     if not started or not stops:
         when = "before training started" if not started else "and its ranks did not stop in order"
-        print(f"error: {what} {when}: the job ends here and resumes from its last checkpoint on the next "
-              "start", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"error: {what} {when}: the job ends here and resumes from its last checkpoint on the next start",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1
     stopped, resume = max(stops), max(saves)
     saved = "saved it" if resume == stopped else f"its last checkpoint is step {resume}"
-    print(f"error: {what}; its ranks stopped after step {stopped} and {saved}: the job ends with code "
-          f"{EXIT_PREEMPTED} and resumes from step {resume} on the next start", file=sys.stderr,
-          flush=True)  # fmt: skip
+    print(
+        f"error: {what}; its ranks stopped after step {stopped} and {saved}: the job ends with code "
+        f"{EXIT_PREEMPTED} and resumes from step {resume} on the next start",
+        file=sys.stderr,
+        flush=True,
+    )
     return EXIT_PREEMPTED
 
 
@@ -361,20 +404,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-restarts", type=int, default=3, help="restarts after failures before the job ends")
     p.add_argument("--rendezvous", required=True, help="HOST:PORT of the c10d rendezvous (the first node)")
     p.add_argument("--job-id", default=None, help="rendezvous id (default: the Slurm or AWS Batch job id)")
-    p.add_argument("--last-call-s", type=int, default=30,
-                   help="once MIN nodes are in, how long a rendezvous waits for more (seconds)")  # fmt: skip
-    p.add_argument("--join-timeout-s", type=int, default=600,
-                   help="how long a rendezvous waits for MIN nodes before failing (seconds)")  # fmt: skip
-    p.add_argument("--local-addr", default=None,
-                   help="this node's address for the others (default: its host name resolved)")  # fmt: skip
+    p.add_argument(
+        "--last-call-s",
+        type=int,
+        default=30,
+        help="once MIN nodes are in, how long a rendezvous waits for more (seconds)",
+    )
+    p.add_argument(
+        "--join-timeout-s",
+        type=int,
+        default=600,
+        help="how long a rendezvous waits for MIN nodes before failing (seconds)",
+    )
+    p.add_argument(
+        "--local-addr", default=None, help="this node's address for the others (default: its host name resolved)"
+    )
     p.add_argument("--dry-run", action="store_true", help="print the agent's command and exit")
 
 
 def run(args: argparse.Namespace) -> int:
     nmin, nmax = parse_nodes(args.nodes)
     if args.procs_per_node < 1 or args.max_restarts < 0 or args.last_call_s < 0 or args.join_timeout_s < 1:
-        raise UserError("need --procs-per-node >= 1, --max-restarts >= 0, --last-call-s >= 0 and "
-                        "--join-timeout-s >= 1")  # fmt: skip
+        raise UserError("need --procs-per-node >= 1, --max-restarts >= 0, --last-call-s >= 0 and --join-timeout-s >= 1")
     if ":" not in args.rendezvous:
         raise UserError(f"--rendezvous {args.rendezvous!r}: expected HOST:PORT")
     if not args.passthrough:

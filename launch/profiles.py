@@ -76,9 +76,7 @@ def load_profile(name_or_path: str) -> Profile:
     """Load and validate a profile; every problem is a one-line UserError naming the file and key."""
     path = profile_path(name_or_path)
     if not path.is_file():
-        raise UserError(
-            f"cluster profile {path} not found (known profiles: {', '.join(available_profiles())})"
-        )
+        raise UserError(f"cluster profile {path} not found (known profiles: {', '.join(available_profiles())})")
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:

@@ -175,9 +175,7 @@ def render_deepspeed(args: argparse.Namespace) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("kind", choices=["slurm", "awsbatch", "deepspeed"])
-    parser.epilog = (
-        "Arguments after -- go to the training script (awsbatch: appended to the container command)."
-    )
+    parser.epilog = "Arguments after -- go to the training script (awsbatch: appended to the container command)."
     parser.add_argument("--config", required=True, help="training config YAML (path as seen on the nodes)")
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--gpus-per-node", type=int, default=8)
@@ -193,8 +191,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="slurm: ssh launcher, srun --no_ssh, or elastic (launch elastic per node, requeue on exit 3); "
         "awsbatch: elastic, or else one deepspeed launcher per node",
     )
-    parser.add_argument("--min-nodes", type=int, default=None,
-                        help="elastic: the fewest nodes the job goes on with (default --nodes)")  # fmt: skip
+    parser.add_argument(
+        "--min-nodes", type=int, default=None, help="elastic: the fewest nodes the job goes on with (default --nodes)"
+    )
     parser.add_argument("--max-restarts", type=int, default=3, help="elastic: restarts after failures")
     parser.add_argument("--hostfile", default="hostfile", help="deepspeed: hostfile path")
     parser.add_argument("--image", default=None, help="awsbatch: container image URI")
@@ -205,9 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "written into the job definition)",
     )
     parser.add_argument("--instance-type", default=None, help="awsbatch: default from the profile")
-    parser.add_argument(
-        "--efa-devices", type=int, default=None, help="awsbatch: /dev/infiniband/uverbs* count"
-    )
+    parser.add_argument("--efa-devices", type=int, default=None, help="awsbatch: /dev/infiniband/uverbs* count")
     parser.add_argument("--vcpus", type=int, default=None)
     parser.add_argument("--memory-mib", type=int, default=None)
     parser.add_argument("--registration-port", type=int, default=DEFAULT_REGISTRATION_PORT)

@@ -148,9 +148,7 @@ def spec_from_dict(d: dict) -> ModelSpec:
     try:
         family = FAMILIES[d["family"]]
     except KeyError:
-        raise UserError(
-            f"model spec has family {d.get('family')!r}; known families: {', '.join(FAMILIES)}"
-        ) from None
+        raise UserError(f"model spec has family {d.get('family')!r}; known families: {', '.join(FAMILIES)}") from None
     fields = {f.name for f in dataclasses.fields(family.spec_class)}
     derived = {"padded_vocab"}
     unknown = sorted(set(d) - fields - derived)
@@ -179,17 +177,13 @@ def _build_neox(spec: NeoxSpec, attention: str) -> nn.Module:
     return NeoxPretraining(spec, attention)
 
 
-def _save_bert_tokenizer(
-    vocab: Path, out: Path, spec: BertSpec, data_attrs: dict[str, Any]
-) -> dict[str, int]:
+def _save_bert_tokenizer(vocab: Path, out: Path, spec: BertSpec, data_attrs: dict[str, Any]) -> dict[str, int]:
     from model.bert import save_hf_tokenizer
 
     return save_hf_tokenizer(vocab, out, spec, lowercase=bool(data_attrs.get("lowercase", True)))
 
 
-def _save_neox_tokenizer(
-    tokenizer: Path, out: Path, spec: NeoxSpec, data_attrs: dict[str, Any]
-) -> dict[str, int]:
+def _save_neox_tokenizer(tokenizer: Path, out: Path, spec: NeoxSpec, data_attrs: dict[str, Any]) -> dict[str, int]:
     from model.neox import save_hf_tokenizer
 
     return save_hf_tokenizer(tokenizer, out, spec, eod_id=data_attrs.get("eod_id"))

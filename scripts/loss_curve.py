@@ -123,8 +123,9 @@ def build_bert(text_dir: Path, vocab: Path, root: Path) -> dict[str, Path]:
     """BERT seq-128 shards of every text shard (no eval set: the curve is the training loss)."""
     from data.bert import build_bert_shards
 
-    build_bert_shards(text_dir, vocab, root / "bert", seq_len=SEQ_LEN, max_pred=MAX_PRED,
-                      dupe_factor=DUPE_FACTOR, seed=BERT_DATA_SEED)  # fmt: skip
+    build_bert_shards(
+        text_dir, vocab, root / "bert", seq_len=SEQ_LEN, max_pred=MAX_PRED, dupe_factor=DUPE_FACTOR, seed=BERT_DATA_SEED
+    )
     return {"train": root / "bert", "vocab": Path(vocab)}
 
 
@@ -179,8 +180,9 @@ def overrides(settings: dict, data: dict[str, Path], run_dir: Path) -> list[str]
     return [f"{k}={v}" for k, v in {**settings, **paths}.items()]
 
 
-def train(settings: dict, data: dict[str, Path], run_dir: Path, env: dict[str, str] | None = None,
-          timeout: int = 600) -> dict[int, float]:  # fmt: skip
+def train(
+    settings: dict, data: dict[str, Path], run_dir: Path, env: dict[str, str] | None = None, timeout: int = 600
+) -> dict[int, float]:
     """One ``python train.py --config smoke ...`` process; returns its per-step losses."""
     e = dict(os.environ)
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
@@ -208,8 +210,9 @@ def read_losses(run_dir: Path) -> dict[int, float]:
 def cpu_capability(env: dict[str, str] | None = None) -> str:
     """What ATen dispatches to in a process with ``env``: proof that ISA_ENV changes the kernel path."""
     code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
-    res = subprocess.run([sys.executable, "-c", code], env={**os.environ, **(env or {})}, capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **(env or {})}, capture_output=True, text=True, check=True
+    )
     return res.stdout.strip()
 
 
@@ -240,9 +243,7 @@ def compare(expected: dict, actual: dict[int, float]) -> list[str]:
     for step, d in rel_diffs(want, actual).items():
         if d > tol:
             got = actual.get(step)
-            problems.append(
-                f"step {step}: loss {got} vs expected {want[step]} (rel diff {d:.3g} > tol {tol:.3g})"
-            )
+            problems.append(f"step {step}: loss {got} vs expected {want[step]} (rel diff {d:.3g} > tol {tol:.3g})")
     return problems
 
 
@@ -270,11 +271,14 @@ def run_variants(model: str, data: dict[str, Path], work: Path) -> dict[str, dic
     return {
         "default": train(settings, data, work / f"{model}-default"),
         "isa": train(settings, data, work / f"{model}-isa", env=ISA_ENV),
-        "threads2": train({**settings, "run.threads_per_rank": 2}, data, work / f"{model}-threads2",
-                          env={"OMP_NUM_THREADS": "2"}),
-        **{name: train({**settings, **change(settings)}, data, work / f"{model}-{name}")
-           for name, change in CONTROLS.items()},
-    }  # fmt: skip
+        "threads2": train(
+            {**settings, "run.threads_per_rank": 2}, data, work / f"{model}-threads2", env={"OMP_NUM_THREADS": "2"}
+        ),
+        **{
+            name: train({**settings, **change(settings)}, data, work / f"{model}-{name}")
+            for name, change in CONTROLS.items()
+        },
+    }
 
 
 def record(model: str, curves: dict[str, dict[int, float]], work: Path, digest: str) -> dict:
@@ -308,7 +312,7 @@ def record(model: str, curves: dict[str, dict[int, float]], work: Path, digest: 
                 else {"bpe_size": BPE_SIZE}
             ),
             "shards_sha256": digest,
-        },  # fmt: skip
+        },
         "losses": {str(s): v for s, v in sorted(base.items())},
         "tolerance": {
             "max_rel_diff": round_down(tol),
@@ -327,7 +331,7 @@ def record(model: str, curves: dict[str, dict[int, float]], work: Path, digest: 
             "torch": _version("torch"),
             "deepspeed": _version("deepspeed"),
             "seconds_per_run": round(seconds, 1),
-        },  # fmt: skip
+        },
         "resolved_config": resolved,
     }
 
@@ -361,9 +365,7 @@ def build_all(work: Path, models: list[str]) -> tuple[dict[str, dict[str, Path]]
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=[*MODELS, "all"], default="all")
-    p.add_argument(
-        "--record", action="store_true", help="measure the spread, run the controls, rewrite the files"
-    )
+    p.add_argument("--record", action="store_true", help="measure the spread, run the controls, rewrite the files")
     p.add_argument("--work", type=Path, default=None, help="working directory (default: a temporary one)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))

@@ -41,8 +41,9 @@ def launcher(ranks: int, port: int | None = None) -> list[str]:
     ]
 
 
-def start_ranks(script: list[str], ranks: int, timeout: float = 300, env: dict | None = None,
-                one_device: bool = False) -> subprocess.CompletedProcess:  # fmt: skip
+def start_ranks(
+    script: list[str], ranks: int, timeout: float = 300, env: dict | None = None, one_device: bool = False
+) -> subprocess.CompletedProcess:
     """``ranks`` processes of ``script`` (a path and its arguments) on this machine, with the environment the
     DeepSpeed launcher gives its ranks (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_*, MASTER_*), started
     directly: the launcher's own two interpreter start-ups are seconds per job, and the tests of the launcher's
@@ -53,18 +54,33 @@ def start_ranks(script: list[str], ranks: int, timeout: float = 300, env: dict |
     is the first failing rank's; the output is every rank's, in rank order."""
     from common.net import free_port
 
-    base = {**(env or run_env()), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            "WORLD_SIZE": str(ranks), "LOCAL_SIZE": "1" if one_device else str(ranks), "CROSS_RANK": "0",
-            "CROSS_SIZE": "1"}  # fmt: skip
+    base = {
+        **(env or run_env()),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(ranks),
+        "LOCAL_SIZE": "1" if one_device else str(ranks),
+        "CROSS_RANK": "0",
+        "CROSS_SIZE": "1",
+    }
     procs = []
     for r in range(ranks):
         local = 0 if one_device else r
-        procs.append(subprocess.Popen([sys.executable, "-u", script[0], f"--local_rank={local}", *script[1:]],
-                                      cwd=REPO, env={**base, "RANK": str(r), "LOCAL_RANK": str(local)},
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-u", script[0], f"--local_rank={local}", *script[1:]],
+                cwd=REPO,
+                env={**base, "RANK": str(r), "LOCAL_RANK": str(local)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs: list[tuple[str, str]] = [("", "")] * ranks
-    readers = [threading.Thread(target=lambda i=i: outs.__setitem__(i, procs[i].communicate()), daemon=True)
-               for i in range(ranks)]  # fmt: skip
+    readers = [
+        threading.Thread(target=lambda i=i: outs.__setitem__(i, procs[i].communicate()), daemon=True)
+        for i in range(ranks)
+    ]
     for t in readers:
         t.start()
     deadline, failed_at = time.monotonic() + timeout, None

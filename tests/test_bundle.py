@@ -113,10 +113,7 @@ def test_bad_input_is_one_line(tmp_path, args, message):
 def test_refuses_a_folder_that_is_not_a_bundle(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     line = one_line_error(bundle_cli("--out", str(tmp_path)))
-    assert (
-        line
-        == f"error: --out {tmp_path}: folder is not empty and holds no {MANIFEST}; give a new or empty folder"
-    )
+    assert line == f"error: --out {tmp_path}: folder is not empty and holds no {MANIFEST}; give a new or empty folder"
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
@@ -186,9 +183,7 @@ def bundle(tmp_path_factory) -> Path:
     assert len(kept) < len(freeze) and any(ln.startswith("torch==") for ln in kept)
     (root / "freeze.txt").write_text("\n".join(kept) + "\n")
     out = root / "wheels"
-    res = bundle_cli(
-        "--out", str(out), "--target-freeze", str(root / "freeze.txt"), "--sample", "--build-backend"
-    )
+    res = bundle_cli("--out", str(out), "--target-freeze", str(root / "freeze.txt"), "--sample", "--build-backend")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "pip install --no-index --find-links" in res.stdout
     assert f"checked: pip --no-index --find-links {out} installs" in res.stderr
@@ -230,9 +225,7 @@ def test_offline_install_and_cpu_run(bundle, tmp_path, wiki_text_dir, wiki_vocab
     pip = [sys.executable, "-m", "pip", "--python", str(py)]
 
     # With no bundle and no index the project cannot be installed: nothing else is reachable.
-    res = subprocess.run(
-        [*pip, "install", "--no-index", "wikipretrain"], capture_output=True, text=True, env=env
-    )
+    res = subprocess.run([*pip, "install", "--no-index", "wikipretrain"], capture_output=True, text=True, env=env)
     assert res.returncode != 0 and "No matching distribution found for wikipretrain" in res.stderr
 
     res = subprocess.run(
@@ -272,14 +265,30 @@ def test_offline_install_and_cpu_run(bundle, tmp_path, wiki_text_dir, wiki_vocab
     shutil.copy2(first, text / first.name)
     shards = tmp_path / "shards"
     res = subprocess.run(
-        [py, "-m", "data", "bert", "--text", str(text), "--vocab", str(wiki_vocab), "--out", str(shards),
-         "--seq-len", "128", "--max-pred", "20", "--dupe-factor", "1"],
+        [
+            py,
+            "-m",
+            "data",
+            "bert",
+            "--text",
+            str(text),
+            "--vocab",
+            str(wiki_vocab),
+            "--out",
+            str(shards),
+            "--seq-len",
+            "128",
+            "--max-pred",
+            "20",
+            "--dupe-factor",
+            "1",
+        ],
         cwd=app,
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
-    )  # fmt: skip
+    )
     assert res.returncode == 0, res.stderr[-3000:]
 
     # The LANS C++ sources ship in the wheel (built on first use; AdamW below keeps this run compile-free).
@@ -290,22 +299,34 @@ def test_offline_install_and_cpu_run(bundle, tmp_path, wiki_text_dir, wiki_vocab
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")
     run_dir = tmp_path / "run"
     res = subprocess.run(
-        [py, "train.py", "--config", str(REPO / "configs" / "smoke.yaml"), f"run.dir={run_dir}",
-         f"data.train={shards}", f"data.eval={shards}", f"data.vocab={wiki_vocab}", "train.steps=2",
-         "train.global_batch=4", "train.micro_batch=4", "logging.every=1", "checkpoint.every=0",
-         "train.eval_every=0", "train.eval_samples=8", "optimizer.name=adamw"],
+        [
+            py,
+            "train.py",
+            "--config",
+            str(REPO / "configs" / "smoke.yaml"),
+            f"run.dir={run_dir}",
+            f"data.train={shards}",
+            f"data.eval={shards}",
+            f"data.vocab={wiki_vocab}",
+            "train.steps=2",
+            "train.global_batch=4",
+            "train.micro_batch=4",
+            "logging.every=1",
+            "checkpoint.every=0",
+            "train.eval_every=0",
+            "train.eval_samples=8",
+            "optimizer.name=adamw",
+        ],
         cwd=app,
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
-    )  # fmt: skip
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["world_size"] == 1 and summary["model"] == "bert-debug"
-    losses = [
-        json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x
-    ]
+    losses = [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert len(losses) == 2 and all(0 < v < 100 for v in losses)
 
     # scripts/gpu.sh's `pip install --no-deps -e .` of a checkout, offline: setuptools comes from the bundle.
@@ -330,9 +351,7 @@ def test_offline_install_and_cpu_run(bundle, tmp_path, wiki_text_dir, wiki_vocab
         text=True,
         env=env,
     )
-    assert res.returncode == 0 and res.stdout.split("FROM", 1)[1].strip() == str(
-        checkout / "training" / "__init__.py"
-    )
+    assert res.returncode == 0 and res.stdout.split("FROM", 1)[1].strip() == str(checkout / "training" / "__init__.py")
 
 
 def test_gpu_script_stops_first_without_cuda(tmp_path):
@@ -344,8 +363,9 @@ def test_gpu_script_stops_first_without_cuda(tmp_path):
     (bundle / "sample" / "dump.xml.bz2").write_bytes(b"")
     out = tmp_path / "out"
     env = {**run_env(), "PYTHON": sys.executable, "OUT": str(out)}
-    res = subprocess.run(["bash", "scripts/gpu.sh", str(bundle)], cwd=REPO, capture_output=True, text=True,
-                         env=env, timeout=120)  # fmt: skip
+    res = subprocess.run(
+        ["bash", "scripts/gpu.sh", str(bundle)], cwd=REPO, capture_output=True, text=True, env=env, timeout=120
+    )
     assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
     why = "import torch sees no CUDA device (torch missing, a CPU build, or no GPU visible)"
     assert res.stderr == f"error: {sys.executable}: {why}\n"

@@ -107,8 +107,11 @@ def test_newer_checkpoint_format_is_refused(ckpt: Path) -> None:
     assert saved["format"] == checkpoint.FORMAT  # what a save writes
     rewrite_client_state(tag, {**saved, "format": checkpoint.FORMAT + 1})
     newer = checkpoint.FORMAT + 1
-    with pytest.raises(UserError, match=rf"step00000008 was written in checkpoint format {newer}; "
-                       rf"this version reads format {checkpoint.FORMAT} and older"):  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=rf"step00000008 was written in checkpoint format {newer}; "
+        rf"this version reads format {checkpoint.FORMAT} and older",
+    ):
         decide(ckpt)
     del saved["format"]  # a checkpoint from before the field: format 1, still resumed
     rewrite_client_state(tag, saved)

@@ -11,11 +11,29 @@ import pytest
 from tests.conftest import REPO
 
 COLLECTIVES = {
-    "all_reduce", "all_reduce_coalesced", "broadcast", "barrier", "all_gather", "all_gather_object",
-    "all_gather_into_tensor", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor",
-    "gather", "gather_object", "scatter", "scatter_object_list", "all_to_all", "all_to_all_single", "send",
-    "recv", "isend", "irecv", "monitored_barrier",
-}  # fmt: skip
+    "all_reduce",
+    "all_reduce_coalesced",
+    "broadcast",
+    "barrier",
+    "all_gather",
+    "all_gather_object",
+    "all_gather_into_tensor",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "gather_object",
+    "scatter",
+    "scatter_object_list",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "monitored_barrier",
+}
 ALLOWED = {Path("training/collectives.py")}
 PACKAGES = ("common", "data", "model", "training", "launch", "benchmarks")
 

@@ -41,9 +41,7 @@ def data_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def bert(text: Path, vocab: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return data_cli(
-        "bert", "--text", str(text), "--vocab", str(vocab), "--out", str(out), "--no-progress", *extra
-    )
+    return data_cli("bert", "--text", str(text), "--vocab", str(vocab), "--out", str(out), "--no-progress", *extra)
 
 
 def vocab_ids(vocab: Path) -> dict[str, int]:
@@ -113,18 +111,14 @@ def check_instances(out: Path, vocab: Path, seq_len: int, max_pred: int) -> dict
             input_ids, segment_ids, input_mask, labels, nsl = reader[i]
             x = input_ids.numpy()
             length = int(input_mask.sum())
-            assert input_mask[:length].all() and not input_mask[length:].any(), (
-                "mask must be 1 exactly over tokens"
-            )
+            assert input_mask[:length].all() and not input_mask[length:].any(), "mask must be 1 exactly over tokens"
             assert x[0] == CLS
             seps = np.nonzero(x == SEP)[0]
             assert len(seps) == 2 and seps[1] == length - 1, seps
             assert (x[length:] == PAD).all()
             seg = segment_ids.numpy()
             assert (
-                (seg[: seps[0] + 1] == 0).all()
-                and (seg[seps[0] + 1 : length] == 1).all()
-                and (seg[length:] == 0).all()
+                (seg[: seps[0] + 1] == 0).all() and (seg[seps[0] + 1 : length] == 1).all() and (seg[length:] == 0).all()
             )
             assert seps[0] >= 2 and seps[1] - seps[0] >= 2, "A and B hold at least one token each"
             pos = np.nonzero(labels.numpy() >= 0)[0]
@@ -133,9 +127,7 @@ def check_instances(out: Path, vocab: Path, seq_len: int, max_pred: int) -> dict
             assert k == expected, (k, expected, length)
             assert (np.diff(raw_pos[i, :k]) > 0).all(), "positions ascending"
             assert (raw_pos[i, k:] == 0).all() and (raw_lm[i, k:] == 0).all(), "zero padded"
-            assert (pos > 0).all() and (pos < length - 1).all() and (pos != seps[0]).all(), (
-                "never on specials"
-            )
+            assert (pos > 0).all() and (pos < length - 1).all() and (pos != seps[0]).all(), "never on specials"
             orig = labels.numpy()[pos]
             assert not np.isin(orig, [CLS, SEP, PAD]).any()
             n_mask += int((x[pos] == MASK).sum())
@@ -208,15 +200,11 @@ def test_segments_come_from_the_corpus(phase1: dict, wiki_text_dir: Path, wiki_v
     assert checked[0] > 20 and checked[1] > 200, checked
 
 
-def test_deterministic_across_workers(
-    phase1: dict, wiki_text_dir: Path, wiki_vocab: Path, tmp_path: Path
-) -> None:
+def test_deterministic_across_workers(phase1: dict, wiki_text_dir: Path, wiki_vocab: Path, tmp_path: Path) -> None:
     man1 = json.loads((phase1["w1"] / "manifest.json").read_text())
     man2 = json.loads((phase1["w2"] / "manifest.json").read_text())
     assert [s["instances"] for s in man1["shards"]] == [s["instances"] for s in man2["shards"]]
-    assert len(man1["shards"]) == 3 and man1["totals"]["instances"] == sum(
-        s["instances"] for s in man1["shards"]
-    )
+    assert len(man1["shards"]) == 3 and man1["totals"]["instances"] == sum(s["instances"] for s in man1["shards"])
     for s in man1["shards"]:
         with h5py.File(phase1["w1"] / s["file"]) as a, h5py.File(phase1["w2"] / s["file"]) as b:
             for k in NAMES:
@@ -224,9 +212,21 @@ def test_deterministic_across_workers(
             assert dict(a.attrs).keys() == dict(b.attrs).keys()
             for k in a.attrs:
                 assert np.all(a.attrs[k] == b.attrs[k]), k
-            for k in ("format", "format_version", "vocab_sha256", "vocab_size", "seq_len", "max_pred",
-                      "masked_lm_prob", "dupe_factor", "short_seq_prob", "seed", "whole_word_masking",
-                      "lowercase", "source"):  # fmt: skip
+            for k in (
+                "format",
+                "format_version",
+                "vocab_sha256",
+                "vocab_size",
+                "seq_len",
+                "max_pred",
+                "masked_lm_prob",
+                "dupe_factor",
+                "short_seq_prob",
+                "seed",
+                "whole_word_masking",
+                "lowercase",
+                "source",
+            ):
                 assert k in a.attrs, k
     # another seed gives other instances
     bert(wiki_text_dir, wiki_vocab, tmp_path / "s8", "--dupe-factor", "2", "--shards", "3", "--seed", "8")
@@ -234,13 +234,9 @@ def test_deterministic_across_workers(
         assert not np.array_equal(a["input_ids"][:100], b["input_ids"][:100])
 
 
-def test_cached_tokenizer_matches_library(
-    wiki_text_dir: Path, wiki_vocab: Path, shared_bert_vocab: Path
-) -> None:
+def test_cached_tokenizer_matches_library(wiki_text_dir: Path, wiki_vocab: Path, shared_bert_vocab: Path) -> None:
     lines = [
-        ln.strip()
-        for f in sorted(wiki_text_dir.rglob("*.txt"))
-        for ln in f.read_text(encoding="utf-8").split("\n")
+        ln.strip() for f in sorted(wiki_text_dir.rglob("*.txt")) for ln in f.read_text(encoding="utf-8").split("\n")
     ]
     lines = [ln for ln in lines if ln]
     lines += [
@@ -257,13 +253,23 @@ def test_cached_tokenizer_matches_library(
                 assert np.array_equal(lens, ref_lens) and np.array_equal(flat, ref_flat)
 
 
-def test_whole_word_masking_and_real_vocab_phase2(
-    wiki_text_dir: Path, shared_bert_vocab: Path, tmp_path: Path
-) -> None:
+def test_whole_word_masking_and_real_vocab_phase2(wiki_text_dir: Path, shared_bert_vocab: Path, tmp_path: Path) -> None:
     """Phase 2 shapes with the real bert-base-uncased vocab; masked words are masked whole."""
     out = tmp_path / "p2"
-    bert(wiki_text_dir, shared_bert_vocab, out, "--seq-len", "512", "--max-pred", "80", "--dupe-factor", "1",
-         "--whole-word-masking", "--workers", "2")  # fmt: skip
+    bert(
+        wiki_text_dir,
+        shared_bert_vocab,
+        out,
+        "--seq-len",
+        "512",
+        "--max-pred",
+        "80",
+        "--dupe-factor",
+        "1",
+        "--whole-word-masking",
+        "--workers",
+        "2",
+    )
     stats = check_instances(out, shared_bert_vocab, 512, 80)
     assert abs(stats["mask"] - 0.8) < 0.04 and 0.12 <= stats["pred_rate"] <= 0.16, stats
     words = shared_bert_vocab.read_text(encoding="utf-8").split("\n")
@@ -315,9 +321,7 @@ def test_bad_input(wiki_text_dir: Path, wiki_vocab: Path, tmp_path: Path) -> Non
         "\n".join(w for w in wiki_vocab.read_text().split("\n") if w not in ("[CLS]", "[MASK]")) + "\n"
     )
     expect_error(
-        data_cli(
-            "bert", "--text", str(wiki_text_dir), "--vocab", str(bad_vocab), "--out", str(out), check=False
-        ),
+        data_cli("bert", "--text", str(wiki_text_dir), "--vocab", str(bad_vocab), "--out", str(out), check=False),
         "vocab.txt",
     )
     expect_error(
@@ -332,7 +336,7 @@ def test_bad_input(wiki_text_dir: Path, wiki_vocab: Path, tmp_path: Path) -> Non
             "--seq-len",
             "16",
             check=False,
-        ),  # fmt: skip
+        ),
         "--seq-len 16",
         "--max-pred 20",
     )
@@ -350,7 +354,7 @@ def test_bad_input(wiki_text_dir: Path, wiki_vocab: Path, tmp_path: Path) -> Non
             "--max-pred",
             "1",
             check=False,
-        ),  # fmt: skip
+        ),
         "--seq-len 6",
     )
     assert not out.exists(), "nothing written for refused input"
@@ -358,9 +362,7 @@ def test_bad_input(wiki_text_dir: Path, wiki_vocab: Path, tmp_path: Path) -> Non
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
     expect_error(
-        data_cli(
-            "bert", "--text", str(wiki_text_dir), "--vocab", str(wiki_vocab), "--out", str(busy), check=False
-        ),
+        data_cli("bert", "--text", str(wiki_text_dir), "--vocab", str(wiki_vocab), "--out", str(busy), check=False),
         "--overwrite",
     )
     assert (busy / "keep.txt").read_text() == "mine" and len(list(busy.iterdir())) == 1
@@ -369,10 +371,27 @@ def test_bad_input(wiki_text_dir: Path, wiki_vocab: Path, tmp_path: Path) -> Non
 def test_rerun_after_interruption(wiki_text_dir: Path, wiki_vocab: Path, tmp_path: Path) -> None:
     """A run killed mid-way leaves temp files and shards without a manifest; the rerun starts clean."""
     out = tmp_path / "out"
-    args = ["bert", "--text", str(wiki_text_dir), "--vocab", str(wiki_vocab), "--out", str(out),
-            "--dupe-factor", "3", "--shards", "4", "--no-progress"]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "data", *args], cwd=REPO, env=run_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    args = [
+        "bert",
+        "--text",
+        str(wiki_text_dir),
+        "--vocab",
+        str(wiki_vocab),
+        "--out",
+        str(out),
+        "--dupe-factor",
+        "3",
+        "--shards",
+        "4",
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "data", *args],
+        cwd=REPO,
+        env=run_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     t0 = time.time()
     while time.time() - t0 < 60 and not any(out.glob("*")) and proc.poll() is None:
         time.sleep(0.02)
@@ -386,9 +405,7 @@ def test_rerun_after_interruption(wiki_text_dir: Path, wiki_vocab: Path, tmp_pat
     expect_error(p, "--overwrite")
     data_cli(*args, "--overwrite")
     names = sorted(x.name for x in out.iterdir())
-    assert names == ["bert-00000.h5", "bert-00001.h5", "bert-00002.h5", "bert-00003.h5", "manifest.json"], (
-        names
-    )
+    assert names == ["bert-00000.h5", "bert-00001.h5", "bert-00002.h5", "bert-00003.h5", "manifest.json"], names
     with h5py.File(out / "bert-00003.h5") as f:
         assert f.attrs["format"] == "wikipretrain-bert"
 

@@ -19,9 +19,7 @@ from tests.conftest import REPO, run_env
 
 
 def data_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(
-        [sys.executable, "-m", "data", *args], cwd=REPO, env=run_env(), capture_output=True, text=True
-    )
+    p = subprocess.run([sys.executable, "-m", "data", *args], cwd=REPO, env=run_env(), capture_output=True, text=True)
     if check and p.returncode != 0:
         raise AssertionError(f"exit {p.returncode}\n{p.stdout}\n{p.stderr}")
     return p
@@ -79,14 +77,10 @@ def check_packing(out: Path, text: Path, tok_path: Path, seq_len: int) -> int:
         assert attrs["tokenizer_sha256"] == hashlib.sha256(tok_path.read_bytes()).hexdigest()
         assert attrs["eod_id"] == eod and attrs["seq_len"] == seq_len
         docs = shard_documents(text, attrs["source"])
-        expected = np.concatenate(
-            [np.array(tok.encode(d, add_special_tokens=False).ids + [eod]) for d in docs]
-        )
+        expected = np.concatenate([np.array(tok.encode(d, add_special_tokens=False).ids + [eod]) for d in docs])
         stream = windows_to_stream(w)
         assert len(expected) - len(stream) == attrs["dropped_tokens"] == s["dropped_tokens"] < seq_len + 1
-        assert np.array_equal(stream, expected[: len(stream)]), (
-            "windows are the document stream, in order, no padding"
-        )
+        assert np.array_equal(stream, expected[: len(stream)]), "windows are the document stream, in order, no padding"
         # decoding reproduces the documents, separated by the end-of-document token
         pieces = np.split(stream, np.nonzero(stream == eod)[0] + 1)
         for doc, ids in zip(docs, pieces[:-1]):
@@ -98,13 +92,39 @@ def check_packing(out: Path, text: Path, tok_path: Path, seq_len: int) -> int:
 
 def test_packing_text(wiki_text_dir: Path, bpe: Path, tmp_path: Path) -> None:
     out = tmp_path / "gpt"
-    p = data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bpe), "--out", str(out), "--seq-len",
-                 "128", "--shards", "3", "--workers", "2", "--no-progress")  # fmt: skip
+    p = data_cli(
+        "gpt",
+        "--text",
+        str(wiki_text_dir),
+        "--tokenizer",
+        str(bpe),
+        "--out",
+        str(out),
+        "--seq-len",
+        "128",
+        "--shards",
+        "3",
+        "--workers",
+        "2",
+        "--no-progress",
+    )
     n = check_packing(out, wiki_text_dir, bpe, 128)
     assert n > 1000 and "dropped" in p.stdout
     # same windows with one worker
-    data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bpe), "--out", str(tmp_path / "w1"),
-             "--seq-len", "128", "--shards", "3", "--no-progress")  # fmt: skip
+    data_cli(
+        "gpt",
+        "--text",
+        str(wiki_text_dir),
+        "--tokenizer",
+        str(bpe),
+        "--out",
+        str(tmp_path / "w1"),
+        "--seq-len",
+        "128",
+        "--shards",
+        "3",
+        "--no-progress",
+    )
     for f in sorted(out.glob("*.h5")):
         with h5py.File(f) as a, h5py.File(tmp_path / "w1" / f.name) as b:
             assert np.array_equal(a["input_ids"][:], b["input_ids"][:])
@@ -119,9 +139,7 @@ def test_packing_text(wiki_text_dir: Path, bpe: Path, tmp_path: Path) -> None:
         num_workers=1,
         expect={"seq_len": 128, "tokenizer_sha256": hashlib.sha256(bpe.read_bytes()).hexdigest()},
     )
-    rows = {
-        r.tobytes() for f in sorted(out.glob("*.h5")) for r in h5py.File(f)["input_ids"][:].astype(np.int64)
-    }
+    rows = {r.tobytes() for f in sorted(out.glob("*.h5")) for r in h5py.File(f)["input_ids"][:].astype(np.int64)}
     it = iter(ld)
     for _ in range(5):
         b = next(it)
@@ -143,22 +161,42 @@ def test_local_datasets_jsonl_and_parquet(wiki_text_dir: Path, bpe: Path, tmp_pa
     expected = np.concatenate([np.array(tok.encode(d, add_special_tokens=False).ids + [eod]) for d in docs])
     for src in (jsonl, parquet):
         out = tmp_path / f"out-{src.suffix[1:]}"
-        data_cli("gpt", "--dataset", str(src), "--text-field", "body", "--tokenizer", str(bpe), "--out",
-                 str(out), "--seq-len", "64", "--no-progress")  # fmt: skip
+        data_cli(
+            "gpt",
+            "--dataset",
+            str(src),
+            "--text-field",
+            "body",
+            "--tokenizer",
+            str(bpe),
+            "--out",
+            str(out),
+            "--seq-len",
+            "64",
+            "--no-progress",
+        )
         with h5py.File(out / "gpt-00000.h5") as f:
             stream = windows_to_stream(f["input_ids"][:])
         assert len(stream) > 1000 and np.array_equal(stream, expected[: len(stream)])
-    p = data_cli(
-        "gpt", "--dataset", str(jsonl), "--tokenizer", str(bpe), "--out", str(tmp_path / "x"), check=False
-    )
+    p = data_cli("gpt", "--dataset", str(jsonl), "--tokenizer", str(bpe), "--out", str(tmp_path / "x"), check=False)
     expect_error(p, "no field 'text'", "--text-field")
 
 
 def test_real_neox_tokenizer(wiki_text_dir: Path, shared_neox_tokenizer: Path, tmp_path: Path) -> None:
     one = sorted(wiki_text_dir.rglob("*.txt"))[0]
     out = tmp_path / "neox"
-    data_cli("gpt", "--text", str(one), "--tokenizer", str(shared_neox_tokenizer), "--out", str(out),
-             "--seq-len", "512", "--no-progress")  # fmt: skip
+    data_cli(
+        "gpt",
+        "--text",
+        str(one),
+        "--tokenizer",
+        str(shared_neox_tokenizer),
+        "--out",
+        str(out),
+        "--seq-len",
+        "512",
+        "--no-progress",
+    )
     assert check_packing(out, one, shared_neox_tokenizer, 512) > 50
 
 
@@ -169,19 +207,27 @@ def test_bad_input(wiki_text_dir: Path, bpe: Path, wiki_vocab: Path, tmp_path: P
 
     no_eod = tmp_path / "wordpiece.json"
     BertWordPieceTokenizer(str(wiki_vocab)).save(str(no_eod))
-    expect_error(data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(no_eod), "--out", str(out),
-                          check=False),
-                 "wordpiece.json", "end-of-document")  # fmt: skip
-    expect_error(data_cli("gpt", "--text", str(tmp_path / "missing"), "--tokenizer", str(bpe), "--out",
-                          str(out), check=False),
-                 "missing")  # fmt: skip
-    expect_error(data_cli("gpt", "--dataset", str(tmp_path / "none.jsonl"), "--tokenizer", str(bpe), "--out",
-                          str(out), check=False), "none.jsonl")  # fmt: skip
+    expect_error(
+        data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(no_eod), "--out", str(out), check=False),
+        "wordpiece.json",
+        "end-of-document",
+    )
+    expect_error(
+        data_cli("gpt", "--text", str(tmp_path / "missing"), "--tokenizer", str(bpe), "--out", str(out), check=False),
+        "missing",
+    )
+    expect_error(
+        data_cli(
+            "gpt", "--dataset", str(tmp_path / "none.jsonl"), "--tokenizer", str(bpe), "--out", str(out), check=False
+        ),
+        "none.jsonl",
+    )
     bad_json = tmp_path / "tok.json"
     bad_json.write_text("{not json")
-    expect_error(data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bad_json), "--out",
-                          str(out), check=False),
-                 "tok.json")  # fmt: skip
+    expect_error(
+        data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bad_json), "--out", str(out), check=False),
+        "tok.json",
+    )
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "a.txt").write_text("\n \n")
@@ -191,15 +237,20 @@ def test_bad_input(wiki_text_dir: Path, bpe: Path, wiki_vocab: Path, tmp_path: P
     )
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("One short sentence.\n")
-    expect_error(data_cli("gpt", "--text", str(tiny), "--tokenizer", str(bpe), "--out", str(out), "--seq-len",
-                          "2048", check=False), "fewer than one window")  # fmt: skip
+    expect_error(
+        data_cli(
+            "gpt", "--text", str(tiny), "--tokenizer", str(bpe), "--out", str(out), "--seq-len", "2048", check=False
+        ),
+        "fewer than one window",
+    )
     assert not any(out.glob("*.h5")), "no shard left behind"
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("keep")
-    expect_error(data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bpe), "--out", str(busy),
-                          check=False),
-                 "--overwrite")  # fmt: skip
+    expect_error(
+        data_cli("gpt", "--text", str(wiki_text_dir), "--tokenizer", str(bpe), "--out", str(busy), check=False),
+        "--overwrite",
+    )
     assert (busy / "x").read_text() == "keep"
 
 

@@ -28,8 +28,20 @@ from tests.test_loader import NAMES, batch_keys, file_keys
 
 def bert_args(text: Path, vocab: Path, out: Path, *, shards: int, dupe: int) -> list[str]:
     """`python -m data bert` arguments for the enwiki sample text."""
-    return ["bert", "--text", str(text), "--vocab", str(vocab), "--out", str(out), "--shards", str(shards),
-            "--dupe-factor", str(dupe), "--no-progress"]  # fmt: skip
+    return [
+        "bert",
+        "--text",
+        str(text),
+        "--vocab",
+        str(vocab),
+        "--out",
+        str(out),
+        "--shards",
+        str(shards),
+        "--dupe-factor",
+        str(dupe),
+        "--no-progress",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +96,7 @@ def test_format_2_layout_and_manifest(bert: Path, gpt: Path) -> None:
                     assert h[name].chunks[0] == h5format.UNIT_ROWS[kind], (f, name)
 
 
-def test_interrupted_writer_is_refused(
-    wiki_text_dir: Path, wiki_vocab: Path, bert: Path, tmp_path: Path
-) -> None:
+def test_interrupted_writer_is_refused(wiki_text_dir: Path, wiki_vocab: Path, bert: Path, tmp_path: Path) -> None:
     """SIGKILL `data bert` once a shard is finished: what is left is refused, named, with the fix; so is a
     directory holding finished shards and temporaries but no manifest."""
     out = tmp_path / "killed"
@@ -129,9 +139,7 @@ def test_startup_checks_against_the_manifest(bert: Path, tmp_path: Path) -> None
     d = copy_dir(bert, tmp_path / "truncated")
     with open(d / "bert-00002.h5", "r+b") as f:
         f.truncate(man["shards"][2]["file_bytes"] // 2)
-    with pytest.raises(
-        UserError, match=r"bert-00002.h5: \d+ bytes but .*manifest.json records \d+: .*data verify"
-    ):
+    with pytest.raises(UserError, match=r"bert-00002.h5: \d+ bytes but .*manifest.json records \d+: .*data verify"):
         bert_loader(d)
     # a row count that disagrees: found at start-up by the one rank whose share holds the shard, and by
     # any reader that opens it later
@@ -214,9 +222,7 @@ def test_read_amplification_at_many_ranks(bert: Path, gpt: Path) -> None:
 def test_gpt_windows_shuffled_across_the_stream(gpt: Path) -> None:
     """The windows of a step lie all over the token stream: the mean distance between two windows of a
     step, in windows of the source stream, is near N/3 (uniform draws), not a few contiguous stretches."""
-    ld = PretrainingLoader(
-        gpt, "gpt", micro_batch=64, grad_accum=1, dp_rank=0, dp_world=1, seed=3, num_workers=0
-    )
+    ld = PretrainingLoader(gpt, "gpt", micro_batch=64, grad_accum=1, dp_rank=0, dp_world=1, seed=3, num_workers=0)
     first = np.concatenate([[0], np.cumsum(ld.counts)])
     n = ld.samples_per_epoch
     dists = []

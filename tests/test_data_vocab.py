@@ -76,9 +76,7 @@ def test_wordpiece_tokenizes_with_transformers(wiki_vocab: Path, wiki_text_dir: 
     assert pieces[:6] == ["anarchism", "is", "a", "political", "philosophy", "."]
     assert "[UNK]" not in pieces and any(p.startswith("##") for p in pieces)
     # pieces glue back to the lowercased, accent-stripped text
-    norm = "".join(
-        c for c in unicodedata.normalize("NFD", sentence.lower()) if unicodedata.category(c) != "Mn"
-    )
+    norm = "".join(c for c in unicodedata.normalize("NFD", sentence.lower()) if unicodedata.category(c) != "Mn")
     assert "".join(p.removeprefix("##") for p in pieces) == norm.replace(" ", "")
     ids = tok(sentence)["input_ids"]
     assert ids[0] == 101 and ids[-1] == 102
@@ -134,9 +132,7 @@ def test_bpe_via_cli(wiki_text_dir: Path, tmp_path: Path) -> None:
         ),
     ],
 )
-def test_vocab_bad_input(
-    setup: str, args: list[str], message: str, tmp_path: Path, wiki_text_dir: Path
-) -> None:
+def test_vocab_bad_input(setup: str, args: list[str], message: str, tmp_path: Path, wiki_text_dir: Path) -> None:
     d = {
         "missing": tmp_path / "nope",
         "empty_dir": tmp_path / "empty",

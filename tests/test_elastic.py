@@ -23,12 +23,34 @@ from training import events
 
 def elastic(run_dir: Path, data, *extra: str, restarts: int = 2, nodes: str = "1") -> list[str]:
     return [
-        sys.executable, "-m", "launch", "elastic", "--nodes", nodes, "--max-restarts", str(restarts),
-        "--rendezvous", f"127.0.0.1:{free_port()}", "--last-call-s", "1", "--",
-        "--config", "smoke", f"run.dir={run_dir}", f"data.train={data['train']}", f"data.eval={data['eval']}",
-        f"data.vocab={data['vocab']}", "train.global_batch=8", "train.micro_batch=4", "logging.every=1",
-        "train.eval_every=0", "train.eval_samples=16", "checkpoint.every=2", "deepspeed.zero_stage=2", *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "launch",
+        "elastic",
+        "--nodes",
+        nodes,
+        "--max-restarts",
+        str(restarts),
+        "--rendezvous",
+        f"127.0.0.1:{free_port()}",
+        "--last-call-s",
+        "1",
+        "--",
+        "--config",
+        "smoke",
+        f"run.dir={run_dir}",
+        f"data.train={data['train']}",
+        f"data.eval={data['eval']}",
+        f"data.vocab={data['vocab']}",
+        "train.global_batch=8",
+        "train.micro_batch=4",
+        "logging.every=1",
+        "train.eval_every=0",
+        "train.eval_samples=16",
+        "checkpoint.every=2",
+        "deepspeed.zero_stage=2",
+        *extra,
+    ]
 
 
 def the_rank(agent_parent: psutil.Process, timeout: float = 180) -> psutil.Process:
@@ -74,8 +96,14 @@ def test_elastic_job_ends_preempted_agent_killed_rank_aborted_budget_spent(bert_
     run_dir, host = tmp_path / "run", socket.gethostname()
     # 1. The scheduler's SIGTERM reaches `launch elastic`: the agent stops the rank, which saves and exits 3,
     #    and the job ends with 3 for the scheduler to requeue; the agent does not start it again in place.
-    proc = subprocess.Popen(elastic(run_dir, bert_data, "train.steps=400"), cwd=REPO, env=run_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        elastic(run_dir, bert_data, "train.steps=400"),
+        cwd=REPO,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     the_rank(psutil.Process(proc.pid))
     wait_for_step(run_dir, 2, proc)
     proc.send_signal(signal.SIGTERM)
@@ -91,8 +119,14 @@ def test_elastic_job_ends_preempted_agent_killed_rank_aborted_budget_spent(bert_
 
     # 2. The requeued job resumes and its agent is killed -9 (as by the OOM killer). The rank sees its
     #    launcher gone, saves and exits 3: the job ends with 3 and one line that says what happened.
-    proc = subprocess.Popen(elastic(run_dir, bert_data, "train.steps=400"), cwd=REPO, env=run_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        elastic(run_dir, bert_data, "train.steps=400"),
+        cwd=REPO,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     the_rank(psutil.Process(proc.pid))
     agent = the_agent(psutil.Process(proc.pid))
     wait_for_step(run_dir, first + 2, proc)
@@ -115,8 +149,14 @@ def test_elastic_job_ends_preempted_agent_killed_rank_aborted_budget_spent(bert_
     cue = tmp_path / "abort"
     env = {**run_env(), "WP_ABORT_ON_CUE": str(cue)}
     env["PYTHONPATH"] = str(REPO / "tests" / "scripts" / "abort_on_cue") + os.pathsep + env["PYTHONPATH"]
-    proc = subprocess.Popen(elastic(run_dir, bert_data, "train.steps=400", restarts=1), cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        elastic(run_dir, bert_data, "train.steps=400", restarts=1),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     launcher = psutil.Process(proc.pid)
     aborting = the_rank(launcher)
     wait_for_step(run_dir, second + 2, proc)
@@ -159,13 +199,25 @@ def test_elastic_job_ends_preempted_agent_killed_rank_aborted_budget_spent(bert_
 
 def test_global_batch_that_cannot_be_kept_is_refused_before_the_start(bert_data, tmp_path):  # noqa: F811
     # 8 = 4 x 2 on 1 node; on 2 nodes 4 x 1 x 2 = 8 fits, on 3 it cannot: refused, nothing started or written
-    r = subprocess.run(elastic(tmp_path / "run", bert_data, nodes="1:3"), cwd=REPO, env=run_env(),
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        elastic(tmp_path / "run", bert_data, nodes="1:3"),
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("error: train.global_batch=8 cannot be kept on 3 node(s)"), r.stderr
     assert not (tmp_path / "run").exists()
-    r = subprocess.run(elastic(tmp_path / "run", bert_data, "train.grad_accum=2", nodes="1:2"), cwd=REPO,
-                       env=run_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        elastic(tmp_path / "run", bert_data, "train.grad_accum=2", nodes="1:2"),
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "train.grad_accum=2 is fixed" in r.stderr, r.stderr
 
 
@@ -193,8 +245,14 @@ def test_goodput_arithmetic() -> None:
     assert g["goodput"] == pytest.approx(29 / 62)
     assert g["checkpoint_stall_s"] == 3.0 and g["attempts"] == 2 and g["world_sizes"] == [2, 1]
     (f,) = g["failures"]
-    assert f == {"attempt": 1, "why": "another rank is gone", "at_step": 4, "resumed_at_step": 4,
-                 "redone_s": 8.0, "restart_s": 12.0}  # fmt: skip
+    assert f == {
+        "attempt": 1,
+        "why": "another rank is gone",
+        "at_step": 4,
+        "resumed_at_step": 4,
+        "redone_s": 8.0,
+        "restart_s": 12.0,
+    }
     assert events.goodput([]) is None
 
     # per segment of constant world size: start 1 trained steps 0-4 on 2 devices in 30 - 10 - 2 s of stalls,
@@ -304,11 +362,24 @@ def test_checkpoint_every_auto_saves_at_youngs_interval(bert_data, tmp_path):  #
     run_dir = tmp_path / "run"
     data = bert_data
     argv = [
-        sys.executable, "train.py", "--config", "smoke", f"run.dir={run_dir}", f"data.train={data['train']}",
-        f"data.eval={data['eval']}", f"data.vocab={data['vocab']}", "train.global_batch=8",
-        "train.micro_batch=4", "train.steps=14", "train.eval_every=0", "train.eval_samples=16",
-        "logging.warmup_steps=2", "checkpoint.every=auto", "checkpoint.mtbf_hours=0.01", "checkpoint.keep=20",
-    ]  # fmt: skip
+        sys.executable,
+        "train.py",
+        "--config",
+        "smoke",
+        f"run.dir={run_dir}",
+        f"data.train={data['train']}",
+        f"data.eval={data['eval']}",
+        f"data.vocab={data['vocab']}",
+        "train.global_batch=8",
+        "train.micro_batch=4",
+        "train.steps=14",
+        "train.eval_every=0",
+        "train.eval_samples=16",
+        "logging.warmup_steps=2",
+        "checkpoint.every=auto",
+        "checkpoint.mtbf_hours=0.01",
+        "checkpoint.keep=20",
+    ]
     r = subprocess.run(argv, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     evs = events.read(run_dir)
@@ -340,8 +411,9 @@ def test_node_mtbf_comes_from_the_cluster_profile(tmp_path: Path) -> None:
     code = "from training.config import load_config; print(load_config('smoke', %r).checkpoint.mtbf_hours)"
     cases = ((["checkpoint.every=auto"], float(value)), (["checkpoint.mtbf_hours=12"], 12.0))
     for overrides, expect in cases:  # the profile's value is the default; an explicit one wins
-        r = subprocess.run([sys.executable, "-c", code % overrides], cwd=REPO, env=env, capture_output=True,
-                           text=True, timeout=60)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-c", code % overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+        )
         assert r.returncode == 0 and float(r.stdout) == expect, r.stderr
     assert node_mtbf_from_env({}) is None
     with pytest.raises(UserError) as e:

@@ -88,9 +88,22 @@ def _assert_family_hash_key(shards: Path, family: str, tokenizer: Path) -> None:
 
 
 def _train(run_dir: Path, ranks: int, *overrides: str) -> Path:
-    res = start_ranks(["train.py", "--config", "smoke", f"run.dir={run_dir}", "train.steps=2", "train.eval_every=0",
-                       "checkpoint.every=0", "logging.every=1", "deepspeed.precision=bf16", *overrides], ranks,
-                      timeout=400)  # fmt: skip
+    res = start_ranks(
+        [
+            "train.py",
+            "--config",
+            "smoke",
+            f"run.dir={run_dir}",
+            "train.steps=2",
+            "train.eval_every=0",
+            "checkpoint.every=0",
+            "logging.every=1",
+            "deepspeed.precision=bf16",
+            *overrides,
+        ],
+        ranks,
+        timeout=400,
+    )
     assert res.returncode == 0, res.stdout[-8000:] + res.stderr[-3000:]
     return run_dir / "checkpoints"
 
@@ -110,12 +123,38 @@ def bert_run(tmp_path_factory, wiki_text_dir, bert_vocab) -> dict[str, Path]:
     """bert-debug trained 2 steps on 2 ranks (ZeRO-2) on shards of the sample made with ``bert_vocab``."""
     root = tmp_path_factory.mktemp("bertexport")
     shards = root / "shards"
-    res = _run([sys.executable, "-m", "data", "bert", "--text", str(wiki_text_dir), "--vocab",
-                str(bert_vocab), "--out", str(shards), "--seq-len", "128", "--max-pred", "20",
-                "--dupe-factor", "1", "--no-progress"])  # fmt: skip
+    res = _run(
+        [
+            sys.executable,
+            "-m",
+            "data",
+            "bert",
+            "--text",
+            str(wiki_text_dir),
+            "--vocab",
+            str(bert_vocab),
+            "--out",
+            str(shards),
+            "--seq-len",
+            "128",
+            "--max-pred",
+            "20",
+            "--dupe-factor",
+            "1",
+            "--no-progress",
+        ]
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    ckpt = _train(root / "run", 2, f"data.train={shards}", f"data.eval={shards}", f"data.vocab={bert_vocab}",
-                  "train.global_batch=8", "train.micro_batch=2", "deepspeed.zero_stage=2")  # fmt: skip
+    ckpt = _train(
+        root / "run",
+        2,
+        f"data.train={shards}",
+        f"data.eval={shards}",
+        f"data.vocab={bert_vocab}",
+        "train.global_batch=8",
+        "train.micro_batch=2",
+        "deepspeed.zero_stage=2",
+    )
     return {"checkpoints": ckpt, "vocab": bert_vocab, "root": root, "shards": shards}
 
 
@@ -198,14 +237,33 @@ def neox_run(tmp_path_factory, wiki_text_dir) -> dict[str, Path]:
     tok, shards = root / "tokenizer.json", root / "shards"
     for cmd in (
         ["vocab", str(wiki_text_dir), "--out", str(tok), "--size", "4000", "--kind", "bpe"],
-        ["gpt", "--text", str(wiki_text_dir), "--tokenizer", str(tok), "--out", str(shards),
-         "--seq-len", "128", "--no-progress"],
-    ):  # fmt: skip
+        [
+            "gpt",
+            "--text",
+            str(wiki_text_dir),
+            "--tokenizer",
+            str(tok),
+            "--out",
+            str(shards),
+            "--seq-len",
+            "128",
+            "--no-progress",
+        ],
+    ):
         res = _run([sys.executable, "-m", "data", *cmd])
         assert res.returncode == 0, res.stderr[-3000:]
-    ckpt = _train(root / "run", 2, "model.name=neox-debug", f"data.train={shards}", f"data.eval={shards}",
-                  f"data.vocab={tok}", "optimizer.name=adamw", "deepspeed.zero_stage=1",
-                  "train.global_batch=4", "train.micro_batch=2")  # fmt: skip
+    ckpt = _train(
+        root / "run",
+        2,
+        "model.name=neox-debug",
+        f"data.train={shards}",
+        f"data.eval={shards}",
+        f"data.vocab={tok}",
+        "optimizer.name=adamw",
+        "deepspeed.zero_stage=1",
+        "train.global_batch=4",
+        "train.micro_batch=2",
+    )
     return {"checkpoints": ckpt, "tokenizer": tok, "root": root, "shards": shards}
 
 
@@ -248,8 +306,7 @@ def test_bert_tokenizer_files_for_the_sample_vocab(wiki_vocab, wiki_text_dir, tm
     from data.tokenize_text import bert_tokenizer
     from model.registry import FAMILIES, get_spec
 
-    ids = FAMILIES["bert"].save_tokenizer(Path(wiki_vocab), tmp_path, get_spec("bert-debug"),
-                                          {"lowercase": lowercase})  # fmt: skip
+    ids = FAMILIES["bert"].save_tokenizer(Path(wiki_vocab), tmp_path, get_spec("bert-debug"), {"lowercase": lowercase})
     assert ids == {"pad_token_id": 0}
     tok = AutoTokenizer.from_pretrained(tmp_path)
     training = bert_tokenizer(wiki_vocab, lowercase)

@@ -53,9 +53,17 @@ def assert_mfu(s: dict) -> None:
 @pytest.mark.parametrize("optimizer", ["lans", "adamw"])
 def test_bert_trains_on_one_gpu(bert_data, tmp_path, zero, optimizer):  # noqa: F811
     run_dir = tmp_path / "run"
-    res = deepspeed(common(bert_data, run_dir, *NCCL, "deepspeed.zero_stage="
-        f"{zero}", f"optimizer.name={optimizer}",
-                           "deepspeed.precision=bf16"), ranks=1)  # fmt: skip
+    res = deepspeed(
+        common(
+            bert_data,
+            run_dir,
+            *NCCL,
+            f"deepspeed.zero_stage={zero}",
+            f"optimizer.name={optimizer}",
+            "deepspeed.precision=bf16",
+        ),
+        ranks=1,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     s = summary(run_dir)
     assert s["device_kind"] != "cpu" and s["zero_stage"] == zero and s["steps"] == 8
@@ -67,9 +75,18 @@ def test_bert_trains_on_one_gpu(bert_data, tmp_path, zero, optimizer):  # noqa: 
 
 def test_lamb_activation_checkpointing_and_background_saves_on_one_gpu(bert_data, tmp_path):  # noqa: F811
     run_dir = tmp_path / "run"
-    res = deepspeed(common(bert_data, run_dir, *NCCL, "optimizer.name=lamb",
-                           "model.activation_checkpointing=true", "checkpoint.async_save=true",
-                           "checkpoint.every=2"), ranks=1)  # fmt: skip
+    res = deepspeed(
+        common(
+            bert_data,
+            run_dir,
+            *NCCL,
+            "optimizer.name=lamb",
+            "model.activation_checkpointing=true",
+            "checkpoint.async_save=true",
+            "checkpoint.every=2",
+        ),
+        ranks=1,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     s = summary(run_dir)
     assert s["optimizer"] == "lamb" and s["steps"] == 8
@@ -82,12 +99,27 @@ def test_lamb_activation_checkpointing_and_background_saves_on_one_gpu(bert_data
 
 def test_neox_trains_on_one_gpu(gpt_data, tmp_path):  # noqa: F811
     run_dir = tmp_path / "run"
-    args = ["--config", "smoke", "model.name=neox-debug", f"run.dir={run_dir}", "data.train="
-        f"{gpt_data['train']}",
-            f"data.eval={gpt_data['eval']}", f"data.vocab={gpt_data['vocab']}", "data.seq_len=128",
-            "optimizer.name=adamw", "optimizer.lr=1e-3", "schedule.kind=cosine_warmup",
-            "deepspeed.zero_stage=2", "train.steps=8", "train.global_batch=8", "train.micro_batch=4",
-            "train.eval_samples=32", "logging.every=1", "checkpoint.every=4", *NCCL]  # fmt: skip
+    args = [
+        "--config",
+        "smoke",
+        "model.name=neox-debug",
+        f"run.dir={run_dir}",
+        f"data.train={gpt_data['train']}",
+        f"data.eval={gpt_data['eval']}",
+        f"data.vocab={gpt_data['vocab']}",
+        "data.seq_len=128",
+        "optimizer.name=adamw",
+        "optimizer.lr=1e-3",
+        "schedule.kind=cosine_warmup",
+        "deepspeed.zero_stage=2",
+        "train.steps=8",
+        "train.global_batch=8",
+        "train.micro_batch=4",
+        "train.eval_samples=32",
+        "logging.every=1",
+        "checkpoint.every=4",
+        *NCCL,
+    ]
     res = deepspeed(args, ranks=1)
     assert res.returncode == 0, res.stderr[-3000:]
     s = summary(run_dir)
@@ -109,9 +141,13 @@ def test_export_from_a_gpu_run(bert_data, tmp_path):  # noqa: F811
     run_dir = tmp_path / "run"
     assert deepspeed(common(bert_data, run_dir, *NCCL), ranks=1).returncode == 0
     out = tmp_path / "hf"
-    res = subprocess.run([sys.executable, "-m", "training", "export", str(run_dir / "checkpoints"), "--out",
-                          str(out)],
-                         cwd=REPO, env=run_env(), capture_output=True, text=True)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "training", "export", str(run_dir / "checkpoints"), "--out", str(out)],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     from transformers import AutoModelForPreTraining
 
@@ -173,8 +209,9 @@ def test_fp32_on_the_gpu_is_as_accurate_as_fp32_on_the_cpu(bert_data):  # noqa: 
     of the same samples than 2x the FP32 CPU run's distance."""
     from data.loader import PretrainingLoader
 
-    loader = PretrainingLoader(bert_data["train"], "bert", micro_batch=8, grad_accum=1, dp_rank=0, dp_world=1,
-                               num_workers=0)  # fmt: skip
+    loader = PretrainingLoader(
+        bert_data["train"], "bert", micro_batch=8, grad_accum=1, dp_rank=0, dp_world=1, num_workers=0
+    )
     batch = next(iter(loader))
     matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -191,8 +228,10 @@ def test_lans_takes_its_intended_path_on_the_gpu():
 
     from training.lans import LANS
 
-    params = [torch.nn.Parameter(torch.randn(300, 300, device="cuda")), torch.nn.Parameter(torch.randn(300,
-              device="cuda"))]  # fmt: skip
+    params = [
+        torch.nn.Parameter(torch.randn(300, 300, device="cuda")),
+        torch.nn.Parameter(torch.randn(300, device="cuda")),
+    ]
     opt = LANS(params, lr=1e-3)
     for p in params:
         p.grad = torch.randn_like(p)

@@ -78,9 +78,7 @@ def _grads(model: torch.nn.Module, seed: int) -> None:
 
 # "fused" sends every tensor through the compiled kernels, "mixed" the larger ones only (emb, fc1, fc2.weight)
 # and the rest through the foreach ops, as the default threshold does with BERT's weights and biases.
-@pytest.mark.parametrize(
-    ("impl", "fused_min_numel"), [("cpu", None), ("foreach", None), ("fused", 0), ("fused", 20)]
-)
+@pytest.mark.parametrize(("impl", "fused_min_numel"), [("cpu", None), ("foreach", None), ("fused", 0), ("fused", 20)])
 @pytest.mark.parametrize("cls", [LANS, LAMB])
 def test_matches_reference(cls, impl: str, fused_min_numel: int | None) -> None:
     torch.manual_seed(0)
@@ -372,9 +370,7 @@ def test_bf16_params_keep_fp32_state_and_master() -> None:
 def test_build_optimizer_and_bad_input() -> None:
     model = Tiny()
     for name, cls in (("lans", LANS), ("LAMB", LAMB), ("adamw", torch.optim.AdamW)):
-        opt = build_optimizer(
-            name, param_groups(model, 0.01), lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01
-        )
+        opt = build_optimizer(name, param_groups(model, 0.01), lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.01)
         assert isinstance(opt, cls)
     with pytest.raises(UserError, match="optimizer.name"):
         build_optimizer("sgdx", model.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.0)
@@ -503,9 +499,7 @@ def test_implementations_agree_and_compiled_graphs_stay_bounded() -> None:
                     # fp32 masters (bf16 parameters are their rounding, which may differ by one ulp at ties)
                     wp = opts[impl].state[p].get("master", p.detach())
                     wq = opts["foreach"].state[q].get("master", q.detach())
-                    torch.testing.assert_close(
-                        wp, wq, rtol=1e-5, atol=1e-6, msg=f"{cls.__name__} {impl} {dtype}"
-                    )
+                    torch.testing.assert_close(wp, wq, rtol=1e-5, atol=1e-6, msg=f"{cls.__name__} {impl} {dtype}")
                     assert not torch.equal(wq, q0)  # the step moved the weights
     limit = torch._dynamo.config.recompile_limit
     for name, fn in lans_mod._COMPILED.items():

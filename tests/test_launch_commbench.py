@@ -32,9 +32,7 @@ def test_bus_factors_follow_nccl_tests() -> None:
 def test_outside_the_launcher_is_a_one_line_error() -> None:
     env = run_env()
     env.pop("WORLD_SIZE", None)
-    r = subprocess.run(
-        [sys.executable, "-m", "launch", "commbench"], cwd=REPO, env=env, capture_output=True, text=True
-    )
+    r = subprocess.run([sys.executable, "-m", "launch", "commbench"], cwd=REPO, env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "deepspeed --num_gpus N --module launch commbench" in r.stderr
 
 
@@ -43,10 +41,26 @@ def test_two_cpu_ranks_print_the_table(tmp_path: Path) -> None:
     out = tmp_path / "comm.json"
     shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     r = subprocess.run(
-        [sys.executable, "-m", "launch", "commbench", "--launch-local", "2", "--sizes", "4K,64K,32M",
-         "--iters", "3", "--out", str(out)],
-        cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "launch",
+            "commbench",
+            "--launch-local",
+            "2",
+            "--sizes",
+            "4K,64K,32M",
+            "--iters",
+            "3",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "busbw_MB/s" in r.stdout and "32 MB row" in r.stdout
     data = json.loads(out.read_text())
@@ -60,7 +74,5 @@ def test_two_cpu_ranks_print_the_table(tmp_path: Path) -> None:
             "all_gather_into_tensor",
             "reduce_scatter_tensor",
         )  # no fallback on gloo
-    assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before, (
-        "the job left /dev/shm files"
-    )
+    assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before, "the job left /dev/shm files"
     print(r.stdout[r.stdout.index("commbench:") :])

@@ -49,15 +49,23 @@ def test_env_file_is_sourceable_and_means_the_same_to_bash(tmp_path: Path) -> No
     out = tmp_path / ".deepspeed_env"
     r = subprocess.run(
         [sys.executable, "-m", "launch", "env", "--profile", "tcp", "--out", str(out)],
-        cwd=REPO, env=run_env(), capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     expected = dict(line.split("=", 1) for line in out.read_text().splitlines())
     printed = subprocess.run(
-        ["bash", "-c", f'set -a; . {out}; set +a; for k in {" ".join(expected)}; do printf "%s=%s\\n'
-            '" "$k" "${!k}"; done'],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        [
+            "bash",
+            "-c",
+            f'set -a; . {out}; set +a; for k in {" ".join(expected)}; do printf "%s=%s\\n" "$k" "${{!k}}"; done',
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert dict(line.split("=", 1) for line in printed.splitlines()) == expected
 
 
@@ -70,8 +78,11 @@ def test_unsafe_value_is_refused_and_nothing_written(tmp_path: Path) -> None:
     out.write_text("KEEP=1\n")
     r = subprocess.run(
         [sys.executable, "-m", "launch", "env", "--profile", str(prof_path), "--out", str(out)],
-        cwd=REPO, env=run_env(), capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
     assert out.read_text() == "KEEP=1\n"
 

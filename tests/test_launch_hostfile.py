@@ -36,9 +36,7 @@ def test_bad_nodelist_is_a_user_error(bad: str) -> None:
         expand_slurm_nodelist(bad)
 
 
-@pytest.mark.parametrize(
-    "bad", ["a b", "x;rm", "$(id)", "`id`", "h'q", 'h"q', "-oProxyCommand=x", "", "a..b"]
-)
+@pytest.mark.parametrize("bad", ["a b", "x;rm", "$(id)", "`id`", "h'q", 'h"q', "-oProxyCommand=x", "", "a..b"])
 def test_invalid_host_names_are_refused(bad: str) -> None:
     with pytest.raises(UserError):
         validate_host(bad)
@@ -55,9 +53,13 @@ def test_valid_hosts_and_hostfile_round_trip(tmp_path: Path) -> None:
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "launch", "hostfile", *args], cwd=REPO, env=env or run_env(),
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, "-m", "launch", "hostfile", *args],
+        cwd=REPO,
+        env=env or run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_hostfile_from_slurm_environment(tmp_path: Path) -> None:
@@ -105,7 +107,7 @@ def test_awsbatch_registration_three_nodes_on_loopback(tmp_path: Path) -> None:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
-            )  # fmt: skip
+            )
         )
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], outs
@@ -118,13 +120,43 @@ def test_awsbatch_registration_three_nodes_on_loopback(tmp_path: Path) -> None:
 
 def test_awsbatch_main_times_out_when_a_child_never_registers(tmp_path: Path) -> None:
     env = run_env()
-    env.update(AWS_BATCH_JOB_NUM_NODES="2", AWS_BATCH_JOB_NODE_INDEX="0", AWS_BATCH_JOB_MAIN_NODE_INDEX="0",
-               AWS_BATCH_JOB_ID="job-1#0")  # fmt: skip
-    r = _cli("--from", "awsbatch", "--slots", "8", "--port", str(free_port()), "--timeout", "2", "--ip",
-             "127.0.0.1", "--out", str(tmp_path / "hf"), env=env)  # fmt: skip
+    env.update(
+        AWS_BATCH_JOB_NUM_NODES="2",
+        AWS_BATCH_JOB_NODE_INDEX="0",
+        AWS_BATCH_JOB_MAIN_NODE_INDEX="0",
+        AWS_BATCH_JOB_ID="job-1#0",
+    )
+    r = _cli(
+        "--from",
+        "awsbatch",
+        "--slots",
+        "8",
+        "--port",
+        str(free_port()),
+        "--timeout",
+        "2",
+        "--ip",
+        "127.0.0.1",
+        "--out",
+        str(tmp_path / "hf"),
+        env=env,
+    )
     assert r.returncode == 2 and "WP_REGISTRATION_SECRET is not set" in r.stderr  # no secret: refused
     env["WP_REGISTRATION_SECRET"] = SECRET
     out = tmp_path / "hf"
-    r = _cli("--from", "awsbatch", "--slots", "8", "--port", str(free_port()), "--timeout", "2", "--ip",
-             "127.0.0.1", "--out", str(out), env=env)  # fmt: skip
+    r = _cli(
+        "--from",
+        "awsbatch",
+        "--slots",
+        "8",
+        "--port",
+        str(free_port()),
+        "--timeout",
+        "2",
+        "--ip",
+        "127.0.0.1",
+        "--out",
+        str(out),
+        env=env,
+    )
     assert r.returncode == 2 and "nodes [1] did not register" in r.stderr and not out.exists()

@@ -44,10 +44,23 @@ def test_deepspeed_launcher_sets_cross_size_not_local_world_size(tmp_path: Path)
     out = tmp_path / "out"
     out.mkdir()
     r = subprocess.run(
-        [sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={world_info}", "--node_rank=1",
-         "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(_probe(tmp_path)), str(out)],
-        cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.launch",
+            f"--world_info={world_info}",
+            "--node_rank=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            str(_probe(tmp_path)),
+            str(out),
+        ],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     recs = _records(out)
     assert sorted(recs) == ["rank2", "rank3"]  # node 1 holds global ranks 2 and 3
@@ -76,9 +89,7 @@ def test_torchrun_two_nodes(tmp_path: Path) -> None:
             str(out),
         ]
         log = subprocess.PIPE
-        agents.append(
-            subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
-        )
+        agents.append(subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=log, stderr=subprocess.STDOUT, text=True))
     for a in agents:
         output, _ = a.communicate(timeout=180)
         assert a.returncode == 0, output

@@ -19,9 +19,13 @@ EVIL = "x; touch {canary}"
 
 def render(tmp_path: Path, kind: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "launch", "render", kind, *args], cwd=REPO, env=run_env(),
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-m", "launch", "render", kind, *args],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def dry_env(tmp_path: Path) -> dict[str, str]:
@@ -50,8 +54,9 @@ def test_slurm_script_is_valid_and_injection_safe(tmp_path: Path, mode: str) -> 
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert shlex.quote(evil) in text and "#SBATCH --nodes=2" in text and "{{" not in text
-    run = dry_run_slurm(out, tmp_path, "extra=$(touch " + str(canary) + ")", SLURM_JOB_NODELIST="node[01-02]",
-                        SLURM_NODEID="0")  # fmt: skip
+    run = dry_run_slurm(
+        out, tmp_path, "extra=$(touch " + str(canary) + ")", SLURM_JOB_NODELIST="node[01-02]", SLURM_NODEID="0"
+    )
     assert not canary.exists()
     ds_line = [line for line in run.stdout.splitlines() if line.startswith("deepspeed ")][-1]
     argv = shlex.split(ds_line)
@@ -94,8 +99,20 @@ def test_bad_job_name_is_refused(tmp_path: Path) -> None:
 
 def test_awsbatch_job_definition_and_entrypoint(tmp_path: Path) -> None:
     out = tmp_path / "jobdef.json"
-    r = render(tmp_path, "awsbatch", "--config", "configs/bert.yaml", "--nodes", "4", "--image",
-               "acct.dkr.ecr/x:1", "--out", str(out), "--", "train.steps=10")  # fmt: skip
+    r = render(
+        tmp_path,
+        "awsbatch",
+        "--config",
+        "configs/bert.yaml",
+        "--nodes",
+        "4",
+        "--image",
+        "acct.dkr.ecr/x:1",
+        "--out",
+        str(out),
+        "--",
+        "train.steps=10",
+    )
     assert r.returncode == 0, r.stderr
     jd = json.loads(out.read_text())
     nodes = jd["nodeProperties"]
@@ -110,8 +127,20 @@ def test_awsbatch_job_definition_and_entrypoint(tmp_path: Path) -> None:
     secret = {e["name"]: e["value"] for e in c["environment"]}["WP_REGISTRATION_SECRET"]
     assert len(secret) == 64 and "secrets" not in c  # a fresh random secret per job definition
     arn = "arn:aws:secretsmanager:us-east-1:1:secret:wp"
-    r = render(tmp_path, "awsbatch", "--config", "configs/bert.yaml", "--nodes", "2", "--image", "i", "--out",
-               str(out), "--registration-secret-arn", arn)  # fmt: skip
+    r = render(
+        tmp_path,
+        "awsbatch",
+        "--config",
+        "configs/bert.yaml",
+        "--nodes",
+        "2",
+        "--image",
+        "i",
+        "--out",
+        str(out),
+        "--registration-secret-arn",
+        arn,
+    )
     c = json.loads(out.read_text())["nodeProperties"]["nodeRangeProperties"][0]["container"]
     assert c["secrets"] == [{"name": "WP_REGISTRATION_SECRET", "valueFrom": arn}]
     assert "WP_REGISTRATION_SECRET" not in {e["name"] for e in c["environment"]}
@@ -125,23 +154,45 @@ def test_awsbatch_entrypoint_two_nodes_register_and_get_ranks(tmp_path: Path, mo
     launch (one deepspeed launcher per node, or `launch elastic` per node meeting on the main node)."""
     canary = tmp_path / "pwned"
     evil = EVIL.format(canary=canary)
-    r = render(tmp_path, "awsbatch", "--config", evil, "--nodes", "2", "--image", "img", "--repo", str(REPO),
-               "--out", str(tmp_path / "jd.json"), "--mode", mode)  # fmt: skip
+    r = render(
+        tmp_path,
+        "awsbatch",
+        "--config",
+        evil,
+        "--nodes",
+        "2",
+        "--image",
+        "img",
+        "--repo",
+        str(REPO),
+        "--out",
+        str(tmp_path / "jd.json"),
+        "--mode",
+        mode,
+    )
     assert r.returncode == 0, r.stderr
     entry = tmp_path / "awsbatch_entrypoint.sh"
     port = str(free_port())
     procs = []
     for index, ip in ((1, "127.0.0.2"), (0, "127.0.0.1")):
         env = dry_env(tmp_path)
-        env.update(AWS_BATCH_JOB_NUM_NODES="2", AWS_BATCH_JOB_NODE_INDEX=str(index),
-                   AWS_BATCH_JOB_MAIN_NODE_INDEX="0", WP_NODE_IP=ip, WP_REGISTRATION_PORT=port,
-                   AWS_BATCH_JOB_ID=f"j#{index}", WP_REGISTRATION_SECRET="s" * 32,
-                   WP_WORK=str(tmp_path / "work"
-                       f"{index}"))  # fmt: skip
+        env.update(
+            AWS_BATCH_JOB_NUM_NODES="2",
+            AWS_BATCH_JOB_NODE_INDEX=str(index),
+            AWS_BATCH_JOB_MAIN_NODE_INDEX="0",
+            WP_NODE_IP=ip,
+            WP_REGISTRATION_PORT=port,
+            AWS_BATCH_JOB_ID=f"j#{index}",
+            WP_REGISTRATION_SECRET="s" * 32,
+            WP_WORK=str(tmp_path / f"work{index}"),
+        )
         if index:
             env["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = "127.0.0.1"
-        procs.append(subprocess.Popen(["bash", str(entry), "a=1"], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                ["bash", str(entry), "a=1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert not canary.exists()
@@ -179,13 +230,28 @@ def test_slurm_elastic_mode(tmp_path: Path) -> None:
     canary = tmp_path / "pwned"
     evil = EVIL.format(canary=canary)
     out = tmp_path / "job.sbatch"
-    r = render(tmp_path, "slurm", "--config", evil, "--nodes", "4", "--mode", "elastic", "--min-nodes", "2",
-               "--max-restarts", "5", "--out", str(out))  # fmt: skip
+    r = render(
+        tmp_path,
+        "slurm",
+        "--config",
+        evil,
+        "--nodes",
+        "4",
+        "--mode",
+        "elastic",
+        "--min-nodes",
+        "2",
+        "--max-restarts",
+        "5",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert "#SBATCH --requeue" in text and 'scontrol requeue "$SLURM_JOB_ID"' in text and "{{" not in text
-    run = dry_run_slurm(out, tmp_path, "extra=$(touch " + str(canary) + ")", SLURM_JOB_NODELIST="node[01-04]",
-                        SLURM_JOB_ID="4242")  # fmt: skip
+    run = dry_run_slurm(
+        out, tmp_path, "extra=$(touch " + str(canary) + ")", SLURM_JOB_NODELIST="node[01-04]", SLURM_JOB_ID="4242"
+    )
     assert not canary.exists()
     lines = run.stdout.splitlines()
     assert any(ln.startswith("srun ") and "--no-kill" in ln for ln in lines), lines  # a lost node: step lives
@@ -194,8 +260,20 @@ def test_slurm_elastic_mode(tmp_path: Path) -> None:
     assert argv[argv.index("--procs-per-node") + 1] == "8" and argv[argv.index("--job-id") + 1] == "4242"
     assert argv[argv.index("--rendezvous") + 1] == "node01:29500"
     assert argv[argv.index("--") + 1 :] == ["--config", evil, "extra=$(touch " + str(canary) + ")"]
-    r = render(tmp_path, "slurm", "--config", "c.yaml", "--nodes", "4", "--mode", "elastic",
-               "--min-nodes", "5", "--out", str(out))  # fmt: skip
+    r = render(
+        tmp_path,
+        "slurm",
+        "--config",
+        "c.yaml",
+        "--nodes",
+        "4",
+        "--mode",
+        "elastic",
+        "--min-nodes",
+        "5",
+        "--out",
+        str(out),
+    )
     assert r.returncode == 2
     assert r.stderr.strip() == "error: --min-nodes must be between 1 and --nodes=4, got 5"
 

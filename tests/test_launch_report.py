@@ -20,9 +20,18 @@ FLOPS_PER_TOKEN = 1.5e8
 SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml"))  # configs/cluster/ holds profiles
 
 
-def write_summary(root: Path, name: str, world: int, seqs_per_s: float, threads: int = 1,
-                  model: str = "bert-debug", wall: float = 60.0, seq_len: int = 128, mfu: float | None = 0.01,
-                  flops_per_token: float | None = FLOPS_PER_TOKEN) -> Path:  # fmt: skip
+def write_summary(
+    root: Path,
+    name: str,
+    world: int,
+    seqs_per_s: float,
+    threads: int = 1,
+    model: str = "bert-debug",
+    wall: float = 60.0,
+    seq_len: int = 128,
+    mfu: float | None = 0.01,
+    flops_per_token: float | None = FLOPS_PER_TOKEN,
+) -> Path:
     cfg = {
         "model": {"name": model},
         "train": {"global_batch": 32, "seq_len": seq_len},
@@ -87,8 +96,14 @@ def runs(tmp_path: Path) -> Path:
 
 
 def _report(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "launch", "report", *args], cwd=REPO, env=run_env(),
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "launch", "report", *args],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def test_groups_and_efficiency(runs: Path) -> None:
@@ -104,9 +119,7 @@ def test_groups_and_efficiency(runs: Path) -> None:
 
 
 def test_projection_at_the_runs_achieved_flops(runs: Path) -> None:
-    recipe = load_recipe(
-        ["bert-large-phase1", "bert-large-phase2"]
-    )  # phase 2 has no train.seq_len of its own
+    recipe = load_recipe(["bert-large-phase1", "bert-large-phase2"])  # phase 2 has no train.seq_len of its own
     assert [(p.steps, p.global_batch, p.seq_len) for p in recipe.phases] == [
         (7038, 65536, 128),
         (1563, 32768, 512),
@@ -153,8 +166,19 @@ def test_recipe_errors_are_user_errors(tmp_path: Path) -> None:
 def test_cli_writes_markdown_csv_and_png_and_leaves_summaries_alone(runs: Path, tmp_path: Path) -> None:
     before = {p: p.read_bytes() for p in runs.rglob("summary.json")}
     md, csv_path, png = tmp_path / "r.md", tmp_path / "r.csv", tmp_path / "r.png"
-    r = _report(str(runs), "--markdown", str(md), "--csv", str(csv_path), "--plot", str(png),
-                "--recipe", "smoke", "--profile", "efa")  # fmt: skip
+    r = _report(
+        str(runs),
+        "--markdown",
+        str(md),
+        "--csv",
+        str(csv_path),
+        "--plot",
+        str(png),
+        "--recipe",
+        "smoke",
+        "--profile",
+        "efa",
+    )
     assert r.returncode == 0, r.stderr
     assert "| 1 | 2 | 180.00 | 90.00 | 1.0% | 90.0% |" in r.stdout
     assert "| 1 | 4 | 300.00 | 75.00 | n/a | 75.0% |" in r.stdout  # mfu null
@@ -174,9 +198,7 @@ def test_cli_writes_markdown_csv_and_png_and_leaves_summaries_alone(runs: Path, 
 
 
 def test_cli_recipe_alone_on_a_device() -> None:
-    r = _report(
-        "--recipe", "neox-20b", "--device", "NVIDIA H100 80GB HBM3", "--mfu", "0.4", "--accelerators", "96"
-    )
+    r = _report("--recipe", "neox-20b", "--device", "NVIDIA H100 80GB HBM3", "--mfu", "0.4", "--accelerators", "96")
     assert r.returncode == 0, r.stderr
     recipe = load_recipe(["neox-20b"])
     accel_hours = recipe.flops / (device_peak("NVIDIA H100 80GB HBM3") * 0.4) / 3600
@@ -188,12 +210,8 @@ def test_too_short_run_is_left_out(runs: Path) -> None:
     short = runs / "short"
     short.mkdir()
     measured = json.loads((runs / "w1" / "summary.json").read_text())
-    unmeasured = {
-        k: v for k, v in measured.items() if "_per_sec" not in k and k not in ("mfu", "tflops_per_device")
-    }
-    (short / "summary.json").write_text(
-        json.dumps(unmeasured)
-    )  # as train.py writes a run of warm-up steps only
+    unmeasured = {k: v for k, v in measured.items() if "_per_sec" not in k and k not in ("mfu", "tflops_per_device")}
+    (short / "summary.json").write_text(json.dumps(unmeasured))  # as train.py writes a run of warm-up steps only
     assert sorted(r.dir.name for r in find_runs([runs])) == ["w1", "w2", "w2-t2", "w4"]
 
 
@@ -203,9 +221,7 @@ def test_report_errors_are_one_line(tmp_path: Path) -> None:
     (bad / "summary.json").write_text('{"fingerprint": "a", "device_count": 0, "sequences_per_sec": 1}')
     for args in ([str(tmp_path / "runs")], ["--recipe", "smoke", "--device", "NVIDIA H100 80GB HBM3"], []):
         r = _report(*args)
-        assert (
-            r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
-        ), (
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1, (
             args,
             r.stderr,
         )

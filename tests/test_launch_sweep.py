@@ -28,10 +28,31 @@ def _config(tmp_path: Path) -> Path:
 def test_dry_run_prints_the_contract_commands(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     r = subprocess.run(
-        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "2,1", "--steps",
-         "7", "--out", str(tmp_path / "runs"), "--threads-per-rank", "1", "--dry-run", "--", "train.lr=1e-4"],
-        cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "launch",
+            "sweep",
+            "--config",
+            str(cfg),
+            "--world-sizes",
+            "2,1",
+            "--steps",
+            "7",
+            "--out",
+            str(tmp_path / "runs"),
+            "--threads-per-rank",
+            "1",
+            "--dry-run",
+            "--",
+            "train.lr=1e-4",
+        ],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     cmds = [shlex.split(line) for line in r.stdout.splitlines()]
     assert [c[c.index("--num_gpus") + 1] for c in cmds] == ["1", "2"]
@@ -48,10 +69,28 @@ def test_sweep_world_sizes_1_and_2_measures_efficiency(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     png = tmp_path / "scaling.png"
     r = subprocess.run(
-        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps",
-         "8", "--out", str(runs), "--script", str(STANDIN)],
-        cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "launch",
+            "sweep",
+            "--config",
+            str(cfg),
+            "--world-sizes",
+            "1,2",
+            "--steps",
+            "8",
+            "--out",
+            str(runs),
+            "--script",
+            str(STANDIN),
+        ],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     s1 = json.loads((runs / "w1" / "summary.json").read_text())
     s2 = json.loads((runs / "w2" / "summary.json").read_text())
@@ -63,8 +102,12 @@ def test_sweep_world_sizes_1_and_2_measures_efficiency(tmp_path: Path) -> None:
     assert f"{measured * 100:.1f}%" in r.stdout  # the sweep's own table, computed from the summaries
     rep = subprocess.run(
         [sys.executable, "-m", "launch", "report", str(runs), "--plot", str(png)],
-        cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert rep.returncode == 0, rep.stderr
     assert f"{measured * 100:.1f}%" in rep.stdout and "(baseline)" in rep.stdout
     assert "| 1 | 2 |" in rep.stdout and "| n/a |" in rep.stdout  # one node, two ranks; mfu null: n/a
@@ -75,8 +118,26 @@ def test_sweep_world_sizes_1_and_2_measures_efficiency(tmp_path: Path) -> None:
         assert im.size == (1100, 420)
     # a second sweep skips the sizes already measured
     again = subprocess.run(
-        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps",
-         "8", "--out", str(runs), "--script", str(STANDIN)],
-        cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "launch",
+            "sweep",
+            "--config",
+            str(cfg),
+            "--world-sizes",
+            "1,2",
+            "--steps",
+            "8",
+            "--out",
+            str(runs),
+            "--script",
+            str(STANDIN),
+        ],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 0 and again.stdout.count("skip ") == 2

@@ -35,16 +35,27 @@ if _REASON:
 PORT = 29500  # each namespace has its own port space: nothing else can hold it
 
 
-def start_node(
-    node, rank: int, master: str, hostfile: Path, bench_args: list[str], log: Path
-) -> subprocess.Popen:
+def start_node(node, rank: int, master: str, hostfile: Path, bench_args: list[str], log: Path) -> subprocess.Popen:
     env = run_env()
     env["GLOO_SOCKET_IFNAME"] = node.ifname
     cmd = node.cmd(
-        sys.executable, "-m", "deepspeed.launcher.runner", "--no_ssh", "--node_rank", str(rank),
-        "--master_addr", master, "--master_port", str(PORT), "--hostfile", str(hostfile),
-        "--module", "launch", "commbench", *bench_args,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--no_ssh",
+        "--node_rank",
+        str(rank),
+        "--master_addr",
+        master,
+        "--master_port",
+        str(PORT),
+        "--hostfile",
+        str(hostfile),
+        "--module",
+        "launch",
+        "commbench",
+        *bench_args,
+    )
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
@@ -78,9 +89,7 @@ def test_commbench_across_two_namespaces(tmp_path: Path) -> None:
         hf = _hostfile(tmp_path, n0, n1)
         info, out = tmp_path / "ranks", tmp_path / "comm.json"
         args = ["--sizes", "4K,256K", "--iters", "5", "--rank-info", str(info), "--out", str(out)]
-        procs = [
-            start_node(n, r, n0.addr, hf, args, tmp_path / f"node{r}.log") for r, n in enumerate((n0, n1))
-        ]
+        procs = [start_node(n, r, n0.addr, hf, args, tmp_path / f"node{r}.log") for r, n in enumerate((n0, n1))]
         rcs = wait_all(procs, timeout=240)
         logs = [(tmp_path / f"node{r}.log").read_text() for r in range(2)]
         assert rcs == [0, 0], logs
@@ -157,42 +166,91 @@ def test_awsbatch_registration_admits_only_the_jobs_nodes(tmp_path: Path) -> Non
     and one with a token made under another secret; node 1's real registration then completes the job."""
     secret = "the-job-definitions-secret"
     with two_nodes("r") as (n0, n1):
-        env = {**run_env(), "AWS_BATCH_JOB_NUM_NODES": "2", "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0",
-               "WP_REGISTRATION_SECRET": secret}  # fmt: skip
+        env = {
+            **run_env(),
+            "AWS_BATCH_JOB_NUM_NODES": "2",
+            "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0",
+            "WP_REGISTRATION_SECRET": secret,
+        }
         main_out = tmp_path / "hf0"
         main = subprocess.Popen(
-            n0.cmd(sys.executable, "-m", "launch", "hostfile", "--from", "awsbatch", "--slots", "8", "--port",
-                   "29499", "--timeout", "60", "--ip", n0.addr, "--out", str(main_out)),
-            cwd=REPO, env={**env, "AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_ID": "job-7#0"},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            n0.cmd(
+                sys.executable,
+                "-m",
+                "launch",
+                "hostfile",
+                "--from",
+                "awsbatch",
+                "--slots",
+                "8",
+                "--port",
+                "29499",
+                "--timeout",
+                "60",
+                "--ip",
+                n0.addr,
+                "--out",
+                str(main_out),
+            ),
+            cwd=REPO,
+            env={**env, "AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_ID": "job-7#0"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             forged = []
             for claim, key in ((f"{n1.addr[:-1]}9", secret), (n1.addr, "another-secret-altogether")):
                 deadline = time.monotonic() + 30
                 while True:  # until the main node listens
-                    r = subprocess.run(n1.cmd(sys.executable, "-c", FORGER, n0.addr, "29499", claim, key),
-                                       cwd=REPO, env=run_env(), capture_output=True, text=True)  # fmt: skip
+                    r = subprocess.run(
+                        n1.cmd(sys.executable, "-c", FORGER, n0.addr, "29499", claim, key),
+                        cwd=REPO,
+                        env=run_env(),
+                        capture_output=True,
+                        text=True,
+                    )
                     if r.returncode == 0 or time.monotonic() > deadline:
                         break
                     time.sleep(0.3)
                 forged.append(r.stdout.strip())
             assert forged == ["closed", "closed"], forged  # refused: no hostfile sent back
             child = subprocess.run(
-                n1.cmd(sys.executable, "-m", "launch", "hostfile", "--from", "awsbatch", "--slots", "8",
-                       "--port", "29499", "--timeout", "60", "--ip", n1.addr, "--out", str(tmp_path / "hf1")),
-                cwd=REPO, env={**env, "AWS_BATCH_JOB_NODE_INDEX": "1", "AWS_BATCH_JOB_ID": "job-7#1",
-                               "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS": n0.addr},
-                capture_output=True, text=True, timeout=90,
-            )  # fmt: skip
+                n1.cmd(
+                    sys.executable,
+                    "-m",
+                    "launch",
+                    "hostfile",
+                    "--from",
+                    "awsbatch",
+                    "--slots",
+                    "8",
+                    "--port",
+                    "29499",
+                    "--timeout",
+                    "60",
+                    "--ip",
+                    n1.addr,
+                    "--out",
+                    str(tmp_path / "hf1"),
+                ),
+                cwd=REPO,
+                env={
+                    **env,
+                    "AWS_BATCH_JOB_NODE_INDEX": "1",
+                    "AWS_BATCH_JOB_ID": "job-7#1",
+                    "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS": n0.addr,
+                },
+                capture_output=True,
+                text=True,
+                timeout=90,
+            )
             _, err = main.communicate(timeout=60)
         finally:
             if main.poll() is None:
                 main.kill()
         assert child.returncode == 0 and main.returncode == 0, (child.stderr, err)
-        assert (
-            f"rejected registration from {n1.addr}: claims address {n1.addr[:-1]}9 but connects from" in err
-        )
+        assert f"rejected registration from {n1.addr}: claims address {n1.addr[:-1]}9 but connects from" in err
         assert f"rejected registration from {n1.addr}: wrong token" in err
         hostfile = f"{n0.addr} slots=8\n{n1.addr} slots=8\n"
         assert main_out.read_text() == (tmp_path / "hf1").read_text() == hostfile

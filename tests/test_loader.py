@@ -47,7 +47,7 @@ def batch_keys(b: dict[str, torch.Tensor]) -> list[str]:
                 )
             ),
             int(b["next_sentence_labels"][i]),
-        )  # fmt: skip
+        )
         for i in range(len(b["input_ids"]))
     ]
 
@@ -84,11 +84,11 @@ def shards(wiki_text_dir: Path, wiki_vocab: Path, tmp_path_factory) -> Path:
             "--seed",
             "3",
             "--no-progress",
-        ],  # fmt: skip
+        ],
         cwd=REPO,
         env=run_env(),
         capture_output=True,
-        text=True,  # fmt: skip
+        text=True,
     )
     assert p.returncode == 0, p.stderr
     return out
@@ -102,8 +102,17 @@ def all_keys(shards: Path) -> list[str]:
 
 
 def loader(path, world=1, rank=0, mb=8, ga=2, workers=0, seed=11, **kw) -> PretrainingLoader:
-    return PretrainingLoader(path, "bert", micro_batch=mb, grad_accum=ga, dp_rank=rank, dp_world=world,
-                             seed=seed, num_workers=workers, **{**ORDER, **kw})  # fmt: skip
+    return PretrainingLoader(
+        path,
+        "bert",
+        micro_batch=mb,
+        grad_accum=ga,
+        dp_rank=rank,
+        dp_world=world,
+        seed=seed,
+        num_workers=workers,
+        **{**ORDER, **kw},
+    )
 
 
 def _rank_main(rank: int, world: int, shard_dir: str, out: str, port: int) -> None:
@@ -128,9 +137,7 @@ def _rank_main(rank: int, world: int, shard_dir: str, out: str, port: int) -> No
 
 
 @pytest.mark.slow
-def test_two_ranks_disjoint_resume_and_world_change(
-    shards: Path, all_keys: list[str], tmp_path: Path
-) -> None:
+def test_two_ranks_disjoint_resume_and_world_change(shards: Path, all_keys: list[str], tmp_path: Path) -> None:
     out = tmp_path / "ranks.json"
     mp.spawn(_rank_main, args=(2, str(shards), str(out), free_port()), nprocs=2, join=True)
     ranks = json.loads(out.read_text())
@@ -215,8 +222,15 @@ def test_buffer_bounded_independent_of_shard_size(shards: Path, tmp_path: Path) 
 
 def test_batch_fields(shards: Path, wiki_vocab: Path) -> None:
     b = next(iter(loader(shards, mb=6, ga=1)))
-    assert set(b) == {"input_ids", "token_type_ids", "attention_mask", "masked_lm_positions", "masked_lm_ids",
-                      "masked_lm_weights", "next_sentence_labels"}  # fmt: skip
+    assert set(b) == {
+        "input_ids",
+        "token_type_ids",
+        "attention_mask",
+        "masked_lm_positions",
+        "masked_lm_ids",
+        "masked_lm_weights",
+        "next_sentence_labels",
+    }
     for k, v in b.items():
         assert v.dtype == (torch.float32 if k == "masked_lm_weights" else torch.long), k
     assert b["input_ids"].shape == (6, 128) and b["masked_lm_positions"].shape == (6, 20)
@@ -259,9 +273,7 @@ def test_nvidia_made_shard(shards: Path, tmp_path: Path) -> None:
 
 def test_schema_and_expect_errors(shards: Path, tmp_path: Path) -> None:
     src = sorted(shards.glob("*.h5"))[0]
-    with pytest.raises(
-        UserError, match=r"manifest.json: attribute vocab_sha256='[0-9a-f]+' but expected 'abc'"
-    ):
+    with pytest.raises(UserError, match=r"manifest.json: attribute vocab_sha256='[0-9a-f]+' but expected 'abc'"):
         loader(shards, expect={"vocab_sha256": "abc"})
     with pytest.raises(UserError, match=r"seq_len=128 but expected 512"):
         loader(shards, expect={"seq_len": 512})
@@ -282,14 +294,14 @@ def test_schema_and_expect_errors(shards: Path, tmp_path: Path) -> None:
                 d.create_dataset("next_sentence_labels", data=np.zeros((3, 2))),
             )[0],
             "next_sentence_labels",
-        ),  # fmt: skip
+        ),
         "dtype": (
             lambda d: (
                 d.__delitem__("input_ids"),
                 d.create_dataset("input_ids", data=np.zeros((len(d["input_mask"]), 128), "f4")),
             )[0],
             "dtype float32",
-        ),  # fmt: skip
+        ),
         "rows": (
             lambda d: (
                 d.__delitem__("segment_ids"),
@@ -344,8 +356,15 @@ def test_eval_set_fixed_and_split_over_any_world(shards: Path, all_keys: list[st
         assert union == all_keys[:n] and len(set(union)) == n, f"world {world}"
         assert max(map(len, shares)) - min(map(len, shares)) <= 1
     b = next(iter(EvalSet(shards, "bert", 5, micro_batch=8, dp_rank=0, dp_world=1)))
-    assert set(b) == {"input_ids", "token_type_ids", "attention_mask", "masked_lm_positions", "masked_lm_ids",
-                      "masked_lm_weights", "next_sentence_labels"}  # fmt: skip
+    assert set(b) == {
+        "input_ids",
+        "token_type_ids",
+        "attention_mask",
+        "masked_lm_positions",
+        "masked_lm_ids",
+        "masked_lm_weights",
+        "next_sentence_labels",
+    }
     assert b["input_ids"].shape == (5, 128)
     total = len(all_keys)
     with pytest.raises(UserError, match=rf"{total} samples, fewer than the {total + 1} evaluation"):

@@ -62,9 +62,7 @@ def test_warmup_constant_decay(step: int, min_ratio: float, expected: float) -> 
     ],
 )
 def test_cosine_warmup(step: int, expected: float) -> None:
-    assert cosine_warmup(step, total_steps=100, warmup=0.1, min_ratio=0.1) == pytest.approx(
-        expected, abs=1e-12
-    )
+    assert cosine_warmup(step, total_steps=100, warmup=0.1, min_ratio=0.1) == pytest.approx(expected, abs=1e-12)
 
 
 def test_build_scheduler_steps_and_state_round_trip() -> None:

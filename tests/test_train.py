@@ -72,8 +72,9 @@ def deepspeed(
     """train.py on ``ranks`` ranks, started as the DeepSpeed launcher starts them (``start_ranks``); on a
     machine with one GPU (the GPU tier) the ranks share it, under gloo."""
     one = ranks > 1 and shares_one_gpu()
-    return start_ranks(["train.py", *args, *(["deepspeed.backend=gloo"] if one else [])], ranks, timeout, env,
-                       one_device=one)  # fmt: skip
+    return start_ranks(
+        ["train.py", *args, *(["deepspeed.backend=gloo"] if one else [])], ranks, timeout, env, one_device=one
+    )
 
 
 def shares_one_gpu() -> bool:
@@ -181,8 +182,9 @@ def test_time_accounting_covers_the_wall_time(straight_run):
 
 def single(args: list[str]) -> subprocess.CompletedProcess:
     """train.py as one process, without the launcher."""
-    return subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=run_env(), capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "train.py", *args], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.cuda  # on the GPU tier too: 2 ranks sharing its one GPU
@@ -250,8 +252,11 @@ def test_half_written_and_damaged_checkpoints(bert_data, straight_run, tmp_path)
 
 def launcher_and_ranks(proc: subprocess.Popen) -> tuple[list[psutil.Process], list[psutil.Process]]:
     """The ``deepspeed.launcher.launch`` process under a ``deepspeed`` command, and its 2 train.py ranks."""
-    launchers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                 if "deepspeed.launcher.launch" in " ".join(p.cmdline())]  # fmt: skip
+    launchers = [
+        p
+        for p in psutil.Process(proc.pid).children(recursive=True)
+        if "deepspeed.launcher.launch" in " ".join(p.cmdline())
+    ]
     ranks = [p for p in launchers[0].children() if "train.py" in " ".join(p.cmdline())]
     assert len(ranks) == 2, ranks
     return launchers, ranks
@@ -263,9 +268,14 @@ def signal_running_job(bert_data, run_dir: Path, port: int, target: str, *extra:
     process group, as ``scancel`` and a terminal's job control do)."""
     cmd = [*launcher(2, port=port), "train.py", *common(bert_data, run_dir, "train.steps=10000", *extra)]
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        cwd=REPO,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,  # the job's own process group
-    )  # fmt: skip
+    )
     try:
         deadline = time.time() + 180
         while time.time() < deadline:
@@ -409,8 +419,16 @@ def test_async_save_commits_and_resumes_exactly(bert_data, straight_run, tmp_pat
     from training.checkpoint import complete_tags, read_latest, tag_problem
 
     run_dir = tmp_path / "run"
-    first = deepspeed(common(bert_data, run_dir, "checkpoint.async_save=true", "checkpoint.every=2",
-                             "checkpoint.keep=3", "train.stop_at_step=6"))  # fmt: skip
+    first = deepspeed(
+        common(
+            bert_data,
+            run_dir,
+            "checkpoint.async_save=true",
+            "checkpoint.every=2",
+            "checkpoint.keep=3",
+            "train.stop_at_step=6",
+        )
+    )
     assert first.returncode == 3, first.stderr[-3000:]
     ckpt = run_dir / "checkpoints"
     assert complete_tags(ckpt) == ["step00000002", "step00000004", "step00000006"]
@@ -436,8 +454,14 @@ def test_async_save_that_fills_the_disk_fails_cleanly(bert_data, tmp_path):
     committed and latest names step 4."""
     with tmpfs(tmp_path / "ckpt", "size=32m") as ckpt:
         run_dir = tmp_path / "run"
-        args = common(bert_data, run_dir, f"checkpoint.dir={ckpt}", "train.eval_every=0", "train.steps=16",
-                      "checkpoint.async_save=true")  # fmt: skip
+        args = common(
+            bert_data,
+            run_dir,
+            f"checkpoint.dir={ckpt}",
+            "train.eval_every=0",
+            "train.steps=16",
+            "checkpoint.async_save=true",
+        )
         full = deepspeed(args)
         errors = [ln for ln in full.stderr.splitlines() if ln.startswith("error:")]
         assert full.returncode != 0 and len(errors) == 1, full.stderr[-3000:]
@@ -475,8 +499,15 @@ def test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit(bert_data, tmp_
     run_dir = tmp_path / "run"
     args = common(bert_data, run_dir, "train.steps=10000", "checkpoint.every=1", "train.eval_every=0")
     cmd = [*launcher(2, port=29100 + os.getpid() % 100), "train.py", *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=run_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     family: list = []
     try:
         deadline = time.time() + 180
@@ -513,10 +544,12 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(bert_data, tmp_path):
     """SIGSTOP one rank mid-run with deepspeed.timeout_s=20: the other rank leaves its collective (ZeRO-2's
     groups included) within the timeout, and the launcher ends the job."""
     run_dir = tmp_path / "run"
-    cmd = [*launcher(2, port=29800 + os.getpid() % 100), "train.py",
-           *common(bert_data, run_dir, "train.steps=10000", "deepspeed.timeout_s=20")]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
+    cmd = [
+        *launcher(2, port=29800 + os.getpid() % 100),
+        "train.py",
+        *common(bert_data, run_dir, "train.steps=10000", "deepspeed.timeout_s=20"),
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ranks: list = []
     try:
         deadline = time.time() + 180
@@ -549,12 +582,21 @@ def test_a_stalled_data_loader_ends_its_rank_with_one_line(bert_data, tmp_path):
     batches are used, rank 1 waits for data; its watchdog ends it within deepspeed.timeout_s with one line
     naming its data loader and the node, and records the failure."""
     run_dir, timeout_s = tmp_path / "run", 12
-    cmd = [*launcher(2, port=29700 + os.getpid() % 100), "train.py",
-           *common(bert_data, run_dir, "train.steps=100000", f"deepspeed.timeout_s={timeout_s}",
-                   "data.num_workers=1", "logging.every=50", "train.eval_every=0",
-                   "checkpoint.every=0")]  # fmt: skip
-    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
+    cmd = [
+        *launcher(2, port=29700 + os.getpid() % 100),
+        "train.py",
+        *common(
+            bert_data,
+            run_dir,
+            "train.steps=100000",
+            f"deepspeed.timeout_s={timeout_s}",
+            "data.num_workers=1",
+            "logging.every=50",
+            "train.eval_every=0",
+            "checkpoint.every=0",
+        ),
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     workers: list = []
     try:
         deadline = time.time() + 180
@@ -644,8 +686,19 @@ def gpt_data(tmp_path_factory, wiki_text_dir) -> dict[str, Path]:
         text.mkdir()
         for s in files:
             (text / s.name).write_bytes(s.read_bytes())
-        _cli("data", "gpt", "--text", str(text), "--tokenizer", str(tok), "--out", str(root / name),
-             "--seq-len", "128", "--no-progress")  # fmt: skip
+        _cli(
+            "data",
+            "gpt",
+            "--text",
+            str(text),
+            "--tokenizer",
+            str(tok),
+            "--out",
+            str(root / name),
+            "--seq-len",
+            "128",
+            "--no-progress",
+        )
         out[name] = root / name
     return out
 
@@ -653,12 +706,27 @@ def gpt_data(tmp_path_factory, wiki_text_dir) -> dict[str, Path]:
 def test_neox_trains_and_reports_perplexity(gpt_data, tmp_path):
     run_dir = tmp_path / "run"
     args = [
-        "--config", "smoke", "model.name=neox-debug", f"run.dir={run_dir}", f"data.train={gpt_data['train']}",
-        f"data.eval={gpt_data['eval']}", f"data.vocab={gpt_data['vocab']}", "data.seq_len=128",
-        "optimizer.name=adamw", "optimizer.lr=1e-3", "schedule.kind=cosine_warmup", "schedule.min_ratio=0.1",
-        "deepspeed.zero_stage=0", "train.steps=6", "train.global_batch=8", "train.micro_batch=2",
-        "train.eval_every=0", "train.eval_samples=32", "logging.every=1", "checkpoint.every=0",
-    ]  # fmt: skip
+        "--config",
+        "smoke",
+        "model.name=neox-debug",
+        f"run.dir={run_dir}",
+        f"data.train={gpt_data['train']}",
+        f"data.eval={gpt_data['eval']}",
+        f"data.vocab={gpt_data['vocab']}",
+        "data.seq_len=128",
+        "optimizer.name=adamw",
+        "optimizer.lr=1e-3",
+        "schedule.kind=cosine_warmup",
+        "schedule.min_ratio=0.1",
+        "deepspeed.zero_stage=0",
+        "train.steps=6",
+        "train.global_batch=8",
+        "train.micro_batch=2",
+        "train.eval_every=0",
+        "train.eval_samples=32",
+        "logging.every=1",
+        "checkpoint.every=0",
+    ]
     res = deepspeed(args)
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -678,12 +746,25 @@ def test_zero3_builds_partitioned_trains_resumes_and_exports(gpt_data, tmp_path)
     exactly from an earlier checkpoint and exports the whole model."""
     run_dir, again = tmp_path / "run", tmp_path / "again"
     args = [
-        "--config", "smoke", "model.name=neox-debug", f"data.train={gpt_data['train']}",
-        f"data.eval={gpt_data['eval']}", f"data.vocab={gpt_data['vocab']}", "data.seq_len=128",
-        "optimizer.name=adamw", "optimizer.lr=1e-3", "deepspeed.zero_stage=3", "train.steps=6",
-        "train.global_batch=8", "train.micro_batch=2", "train.eval_every=0", "train.eval_samples=32",
-        "logging.every=1", "checkpoint.every=3", "train.deterministic=true",
-    ]  # fmt: skip
+        "--config",
+        "smoke",
+        "model.name=neox-debug",
+        f"data.train={gpt_data['train']}",
+        f"data.eval={gpt_data['eval']}",
+        f"data.vocab={gpt_data['vocab']}",
+        "data.seq_len=128",
+        "optimizer.name=adamw",
+        "optimizer.lr=1e-3",
+        "deepspeed.zero_stage=3",
+        "train.steps=6",
+        "train.global_batch=8",
+        "train.micro_batch=2",
+        "train.eval_every=0",
+        "train.eval_samples=32",
+        "logging.every=1",
+        "checkpoint.every=3",
+        "train.deterministic=true",
+    ]
     res = deepspeed([*args, f"run.dir={run_dir}"])
     assert res.returncode == 0, res.stderr[-3000:]
     held = re.search(r"built under zero.Init: this rank holds ([0-9,]+) of ([0-9,]+) parameters", res.stderr)
@@ -715,8 +796,15 @@ def test_phase2_starts_from_phase1_weights_with_fresh_schedule(bert_data, straig
     """NVIDIA's two-phase recipe: phase 2 loads phase 1's weights; optimizer, step count and schedule
     restart."""
     run_dir = tmp_path / "phase2"
-    args = common(bert_data, run_dir, f"train.init_from={straight_run / 'checkpoints'}", "train.steps=4",
-                  "schedule.kind=poly_warmup", "schedule.warmup=0.75", "schedule.constant=0")  # fmt: skip
+    args = common(
+        bert_data,
+        run_dir,
+        f"train.init_from={straight_run / 'checkpoints'}",
+        "train.steps=4",
+        "schedule.kind=poly_warmup",
+        "schedule.warmup=0.75",
+        "schedule.constant=0",
+    )
     res = deepspeed(args)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "initialised weights from" in res.stdout + res.stderr
@@ -768,10 +856,26 @@ def test_sweep_of_train_py_reports_measured_efficiency(bert_data, tmp_path):
     )
     runs, png = tmp_path / "runs", tmp_path / "scaling.png"
     res = subprocess.run(
-        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps",
-         "8", "--out", str(runs)],
-        cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "launch",
+            "sweep",
+            "--config",
+            str(cfg),
+            "--world-sizes",
+            "1,2",
+            "--steps",
+            "8",
+            "--out",
+            str(runs),
+        ],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     s1, s2 = (json.loads((runs / f"w{w}" / "summary.json").read_text()) for w in (1, 2))
     assert s1["fingerprint"] == s2["fingerprint"] and (s1["world_size"], s2["world_size"]) == (1, 2)
@@ -781,8 +885,14 @@ def test_sweep_of_train_py_reports_measured_efficiency(bert_data, tmp_path):
         assert s["eval_s"] > 0 and s["save_s"] > 0 and s["eval_samples"] == 32
         assert "scaling_efficiency" not in s
     measured = s2["sequences_per_sec_per_device"] / s1["sequences_per_sec_per_device"]
-    rep = subprocess.run([sys.executable, "-m", "launch", "report", str(runs), "--plot", str(png)],
-                         cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    rep = subprocess.run(
+        [sys.executable, "-m", "launch", "report", str(runs), "--plot", str(png)],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert rep.returncode == 0, rep.stderr
     assert f"{measured * 100:.1f}%" in rep.stdout
     import matplotlib.image

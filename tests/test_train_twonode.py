@@ -27,21 +27,41 @@ if _REASON:
 PORT = 29511
 
 
-def start(node, rank: int, master: str, hostfile: Path, args: list[str], log: Path,
-          private: Path | None = None) -> subprocess.Popen:  # fmt: skip
+def start(
+    node, rank: int, master: str, hostfile: Path, args: list[str], log: Path, private: Path | None = None
+) -> subprocess.Popen:
     """Node ``rank``'s launcher; ``private``: a directory this node sees as its own empty tmpfs (a mount
     namespace of its own), as a node-local disk would be."""
     env = {**run_env(), "GLOO_SOCKET_IFNAME": node.ifname}
     argv = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--no_ssh", "--node_rank", str(rank),
-        "--master_addr", master, "--master_port", str(PORT), "--hostfile", str(hostfile), "train.py", *args,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--no_ssh",
+        "--node_rank",
+        str(rank),
+        "--master_addr",
+        master,
+        "--master_port",
+        str(PORT),
+        "--hostfile",
+        str(hostfile),
+        "train.py",
+        *args,
+    ]
     if private is not None:  # the mount lives and dies with the namespace: nothing to unmount
-        argv = ["unshare", "-m", "--propagation", "private", "sh", "-c",
-                f'mount -t tmpfs -o size=64m tmpfs "{private}" && exec "$@"', "sh", *argv]  # fmt: skip
-    return subprocess.Popen(
-        node.cmd(*argv), cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT
-    )
+        argv = [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            f'mount -t tmpfs -o size=64m tmpfs "{private}" && exec "$@"',
+            "sh",
+            *argv,
+        ]
+    return subprocess.Popen(node.cmd(*argv), cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
 def wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
@@ -61,11 +81,21 @@ def wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
 
 def train_args(data, run_dir: Path, *extra: str) -> list[str]:
     return [
-        "--config", "smoke", f"run.dir={run_dir}", f"data.train={data['train']}", f"data.eval={data['eval']}",
-        f"data.vocab={data['vocab']}", "train.global_batch=16", "train.micro_batch=4", "logging.every=1",
-        "train.eval_every=0", "train.eval_samples=32", "deepspeed.zero_stage=2", "deepspeed.timeout_s=60",
-            *extra,
-    ]  # fmt: skip
+        "--config",
+        "smoke",
+        f"run.dir={run_dir}",
+        f"data.train={data['train']}",
+        f"data.eval={data['eval']}",
+        f"data.vocab={data['vocab']}",
+        "train.global_batch=16",
+        "train.micro_batch=4",
+        "logging.every=1",
+        "train.eval_every=0",
+        "train.eval_samples=32",
+        "deepspeed.zero_stage=2",
+        "deepspeed.timeout_s=60",
+        *extra,
+    ]
 
 
 def test_two_node_training_then_node_failure_and_restart(bert_data, tmp_path):  # noqa: F811
@@ -91,9 +121,7 @@ def test_two_node_training_then_node_failure_and_restart(bert_data, tmp_path):  
         procs = [start(n, r, n0.addr, hostfile, args, logs[r]) for r, n in enumerate((n0, n1))]
         deadline = time.monotonic() + 240
         while max(losses(run_dir)) < 8:  # past at least one new checkpoint
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()[
-                -3000:
-            ]
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
             time.sleep(0.5)
         assert kill_namespace_processes(n1)
         t0 = time.monotonic()
@@ -118,8 +146,10 @@ def test_two_node_training_then_node_failure_and_restart(bert_data, tmp_path):  
         ckpt = run_dir / "checkpoints"
         before = sorted(p.name for p in ckpt.iterdir())
         args = train_args(bert_data, run_dir, f"train.steps={last_step + 4}", "checkpoint.every=2")
-        procs = [start(n0, 0, n0.addr, hostfile, args, logs[0]),
-                 start(n1, 1, n0.addr, hostfile, args, logs[1], private=ckpt)]  # fmt: skip
+        procs = [
+            start(n0, 0, n0.addr, hostfile, args, logs[0]),
+            start(n1, 1, n0.addr, hostfile, args, logs[1], private=ckpt),
+        ]
         t0 = time.monotonic()
         rcs = wait(procs, 120)
         assert all(rc not in (0, None) for rc in rcs), rcs
@@ -135,11 +165,27 @@ def test_two_node_training_then_node_failure_and_restart(bert_data, tmp_path):  
 def start_elastic(node, args: list[str], log: Path, nodes: str = "1:2", restarts: int = 2):
     """Node ``node``'s ``launch elastic``: the rendezvous is on node 0 (10.77.0.1)."""
     env = {**run_env(), "GLOO_SOCKET_IFNAME": node.ifname}
-    argv = [sys.executable, "-m", "launch", "elastic", "--nodes", nodes, "--max-restarts", str(restarts),
-            "--rendezvous", f"{SUBNET}.1:{PORT + 7}", "--job-id", "elastic-test", "--last-call-s", "3",
-            "--local-addr", node.addr, "--", *args]  # fmt: skip
-    return subprocess.Popen(node.cmd(*argv), cwd=REPO, env=env, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "launch",
+        "elastic",
+        "--nodes",
+        nodes,
+        "--max-restarts",
+        str(restarts),
+        "--rendezvous",
+        f"{SUBNET}.1:{PORT + 7}",
+        "--job-id",
+        "elastic-test",
+        "--last-call-s",
+        "3",
+        "--local-addr",
+        node.addr,
+        "--",
+        *args,
+    ]
+    return subprocess.Popen(node.cmd(*argv), cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
 def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_path):  # noqa: F811
@@ -149,8 +195,7 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_pa
     from training import events
 
     run_dir, steps = tmp_path / "run", 30
-    args = train_args(bert_data, run_dir, f"train.steps={steps}", "checkpoint.every=2",
-                      "deepspeed.timeout_s=20")  # fmt: skip
+    args = train_args(bert_data, run_dir, f"train.steps={steps}", "checkpoint.every=2", "deepspeed.timeout_s=20")
     logs = [tmp_path / f"node{r}.log" for r in range(2)] + [tmp_path / "node1-back.log"]
 
     def starts() -> list[dict]:
@@ -173,8 +218,9 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_pa
         # node 0 restarts alone at world size 1; once it has saved there, node 1 comes back
         def saved_alone() -> bool:
             s = starts()
-            return len(s) == 2 and any(e["event"] == "checkpoint" and e["time"] > s[1]["time"]
-                                       for e in events.read(run_dir))  # fmt: skip
+            return len(s) == 2 and any(
+                e["event"] == "checkpoint" and e["time"] > s[1]["time"] for e in events.read(run_dir)
+            )
 
         wait_until(saved_alone, procs[:1], "node 0 alone")
         back = start_elastic(n1, args, logs[2])
@@ -210,8 +256,14 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_pa
     assert seg["segments"][1]["scaling_efficiency"] == 1.0  # world size 1 is the baseline
     assert seg["total"]["sequences"] == sum((s["to_step"] - s["from_step"]) * 16 for s in seg["segments"])
     # launch report reads the same figures back
-    r = subprocess.run([sys.executable, "-m", "launch", "report", str(run_dir)], cwd=REPO, env=run_env(),
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "launch", "report", str(run_dir)],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith(f"- `{run_dir}`: goodput"))
     assert f"goodput {g['goodput'] * 100:.1f}% over 3 start(s) at world size(s) 2 1 2" in line, line

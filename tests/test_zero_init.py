@@ -29,8 +29,11 @@ def test_gathered_weights_equal_a_whole_build(ranks, name):
         # every rank holds its half (rounded up per tensor), never the whole
         assert got["whole"] / 2 <= got["held"] < got["whole"] / 2 + 1000
     # HF's initialisation really ran (not torch.nn defaults, not zeros): weight matrices have std 0.02
-    stds = [s for k, s in ranks[0][name]["std"].items() if "LayerNorm" not in k and "layernorm" not in k
-            and "norm" not in k.split(".")[-2]]  # fmt: skip
+    stds = [
+        s
+        for k, s in ranks[0][name]["std"].items()
+        if "LayerNorm" not in k and "layernorm" not in k and "norm" not in k.split(".")[-2]
+    ]
     assert stds and all(0.015 < s < 0.025 for s in stds), ranks[0][name]["std"]
 
 

@@ -40,8 +40,9 @@ def check_run_dir(run_dir: Path) -> None:
     failure = collectives.first_failure(problem)
     if failure:
         why, host, rank = failure
-        raise UserError(f"run.dir {run_dir} is not writable on node {host} (rank {rank}): {why}; give a "
-                        "writable run.dir")  # fmt: skip
+        raise UserError(
+            f"run.dir {run_dir} is not writable on node {host} (rank {rank}): {why}; give a writable run.dir"
+        )
 
 
 def seed_everything(seed: int) -> None:
@@ -71,8 +72,17 @@ class RunData:
     vocab_sha256: str | None
 
 
-def _open_loader(data: DataSection, train: TrainSection, path: str | None, key: str, kind: str,
-                 grad_accum: int, rank: int, world: int, expect: dict):  # fmt: skip
+def _open_loader(
+    data: DataSection,
+    train: TrainSection,
+    path: str | None,
+    key: str,
+    kind: str,
+    grad_accum: int,
+    rank: int,
+    world: int,
+    expect: dict,
+):
     from data.loader import PretrainingLoader
 
     if not path:
@@ -93,8 +103,9 @@ def _open_loader(data: DataSection, train: TrainSection, path: str | None, key: 
     )
 
 
-def open_data(data: DataSection, train: TrainSection, model_name: str, family, grad_accum: int, rank: int,
-              world: int) -> RunData:  # fmt: skip
+def open_data(
+    data: DataSection, train: TrainSection, model_name: str, family, grad_accum: int, rank: int, world: int
+) -> RunData:
     """Open the shards the model family reads, checking them against ``data.*`` (sequence length,
     vocabulary)."""
     from data.loader import EvalSet
@@ -116,9 +127,16 @@ def open_data(data: DataSection, train: TrainSection, model_name: str, family, g
     if data.eval:
         if not Path(data.eval).exists():
             raise UserError(f"data.eval={data.eval}: directory does not exist")
-        eval_set = EvalSet(data.eval, kind, train.eval_samples, micro_batch=train.micro_batch,
-                           dp_rank=rank, dp_world=world, expect=expect,
-                           require_manifest=data.require_manifest)  # fmt: skip
+        eval_set = EvalSet(
+            data.eval,
+            kind,
+            train.eval_samples,
+            micro_batch=train.micro_batch,
+            dp_rank=rank,
+            dp_world=world,
+            expect=expect,
+            require_manifest=data.require_manifest,
+        )
     attrs = loader.attrs
     return RunData(loader, eval_set, kind, attrs, vocab_sha or attrs.get(family.hash_key))
 
@@ -134,8 +152,9 @@ def model_spec(model: ModelSection, data: DataSection, shard_attrs: dict[str, An
     return spec
 
 
-def run_identity(spec, data: RunData, world: int, train: TrainSection, optimizer: OptimizerSection,
-                 resolved: dict[str, Any]):  # fmt: skip
+def run_identity(
+    spec, data: RunData, world: int, train: TrainSection, optimizer: OptimizerSection, resolved: dict[str, Any]
+):
     """The run's identity (``training.resume.RunIdentity``), built here once: every checkpoint records it and
     a resume is checked against it."""
     from model.registry import spec_to_dict
@@ -161,8 +180,15 @@ def schedule_kwargs(schedule: ScheduleSection, total_steps: int) -> dict:
     return {k: v for k, v in fields.items() if k in accepted and k != "step"}
 
 
-def build_engine(model_cfg: ModelSection, opt: OptimizerSection, schedule: ScheduleSection, train: TrainSection,
-                 spec, ds_config: dict[str, Any], rank: int):  # fmt: skip
+def build_engine(
+    model_cfg: ModelSection,
+    opt: OptimizerSection,
+    schedule: ScheduleSection,
+    train: TrainSection,
+    spec,
+    ds_config: dict[str, Any],
+    rank: int,
+):
     """Model (same initial weights on every rank), optimizer, schedule and the DeepSpeed engine."""
     import deepspeed
 

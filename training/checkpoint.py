@@ -87,8 +87,10 @@ def read_latest(ckpt_dir: Path) -> str | None:
     except UnicodeDecodeError:
         tag = ""
     if not TAG_RE.match(tag):
-        log.warning(f"{pointer} holds {raw[:40]!r}, not a checkpoint tag of this directory (stepNNNNNNNN); "
-                    "ignoring it and using the newest complete checkpoint")  # fmt: skip
+        log.warning(
+            f"{pointer} holds {raw[:40]!r}, not a checkpoint tag of this directory (stepNNNNNNNN); "
+            "ignoring it and using the newest complete checkpoint"
+        )
         return None
     return tag
 
@@ -287,9 +289,19 @@ def _convert(ckpt_dir: Path, tag: str, out: Path) -> None:
 
     log.info(f"converting {ckpt_dir / tag} to a universal checkpoint for a new world size")
     shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-           str(ckpt_dir / tag), "--output_folder", str(out), "--num_extract_workers", "1",
-           "--num_merge_workers", "1"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.checkpoint.ds_to_universal",
+        "--input_folder",
+        str(ckpt_dir / tag),
+        "--output_folder",
+        str(out),
+        "--num_extract_workers",
+        "1",
+        "--num_merge_workers",
+        "1",
+    ]
     t0 = time.monotonic()
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         assert proc.stdout is not None

@@ -105,10 +105,19 @@ class Checkpointer:
                     f"every {int(plan['steps'])} steps ({plan['interval_s'] / 60:.1f} min); expected loss "
                     f"per failure {plan['expected_loss_s'] / 60:.1f} min of re-done steps plus the restart"
                 )
-                events.record(self.log.run_dir, "checkpoint_interval", attempt=self.log.attempt, rank=0,
-                              step=step, every_steps=int(plan["steps"]), interval_s=round(plan["interval_s"], 3),
-                              save_s=round(save_s, 4), step_s=round(step_s, 4), job_mtbf_s=round(job_mtbf_s, 1),
-                              expected_loss_s=round(plan["expected_loss_s"], 3))  # fmt: skip
+                events.record(
+                    self.log.run_dir,
+                    "checkpoint_interval",
+                    attempt=self.log.attempt,
+                    rank=0,
+                    step=step,
+                    every_steps=int(plan["steps"]),
+                    interval_s=round(plan["interval_s"], 3),
+                    save_s=round(save_s, 4),
+                    step_s=round(step_s, 4),
+                    job_mtbf_s=round(job_mtbf_s, 1),
+                    expected_loss_s=round(plan["expected_loss_s"], 3),
+                )
         self._auto_mark = (time.perf_counter(), step)
 
     def fits_after_sigterm(self, step: int, requested_at: float | None) -> bool:
@@ -166,14 +175,23 @@ class Checkpointer:
 
     def _record(self, step: int, tag: str, save_s: float, **more: Any) -> None:
         if self.rank == 0:
-            events.record(self.log.run_dir, "checkpoint", attempt=self.log.attempt, rank=0, step=step, tag=tag,
-                          save_s=round(save_s, 4), **more)  # fmt: skip
+            events.record(
+                self.log.run_dir,
+                "checkpoint",
+                attempt=self.log.attempt,
+                rank=0,
+                step=step,
+                tag=tag,
+                save_s=round(save_s, 4),
+                **more,
+            )
 
     def _committed(self, pending: saving.BackgroundSave) -> None:
         self.full_save_s = pending.stall_s + pending.write_s
         log.info(f"saved checkpoint {self.dir / pending.tag} (written in the background in {pending.write_s:.2f} s)")
-        self._record(pending.step, pending.tag, pending.stall_s, write_s=round(pending.write_s, 4),
-                     done_at=pending.done_at)  # fmt: skip
+        self._record(
+            pending.step, pending.tag, pending.stall_s, write_s=round(pending.write_s, 4), done_at=pending.done_at
+        )
 
     def follow(self, step: int, as_of: int, written: int, failed: bool, world: int) -> bool:
         """What the step's collective says of the background save in flight, as of step ``as_of``

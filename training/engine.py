@@ -41,9 +41,12 @@ def check_setup(cfg: Config) -> None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if ds.backend == "nccl" and not torch.cuda.is_available():
         why = (
-            "CUDA_VISIBLE_DEVICES is empty" if visible == ""
-            else "this torch has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-        )  # fmt: skip
+            "CUDA_VISIBLE_DEVICES is empty"
+            if visible == ""
+            else "this torch has no CUDA"
+            if torch.version.cuda is None
+            else "no CUDA device is visible"
+        )
         raise UserError(f"deepspeed.backend=nccl needs a CUDA device, but {why}; use deepspeed.backend=gloo on CPU")
     if ds.backend == "auto" and torch.version.cuda is not None and visible == "":
         raise UserError(

@@ -18,8 +18,18 @@ def evaluate(engine, eval_set, device: torch.device) -> dict[str, float]:
     if eval_set is None:
         return {}
     engine.eval()
-    keys = ("n", "loss_x_n", "mlm_loss_x_n", "nsp_loss_x_n", "mlm_correct", "mlm_count", "nsp_correct",
-            "nsp_count", "tokens", "lm_loss_x_tokens")  # fmt: skip
+    keys = (
+        "n",
+        "loss_x_n",
+        "mlm_loss_x_n",
+        "nsp_loss_x_n",
+        "mlm_correct",
+        "mlm_count",
+        "nsp_correct",
+        "nsp_count",
+        "tokens",
+        "lm_loss_x_tokens",
+    )
     sums = torch.zeros(len(keys), dtype=torch.float64, device=device)
     for batch in eval_set:
         batch = {k: v.to(device) for k, v in batch.items()}

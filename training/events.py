@@ -114,8 +114,9 @@ def goodput(events: list[dict[str, Any]], end_time: float | None = None) -> dict
         else:
             resume = int(nxt.get("step", 0))
             kept = [ev for ev in saves if int(ev["step"]) <= resume]
-            keep_until = _at(kept[-1]) if kept and int(kept[-1]["step"]) > int(start.get("step", 0)) else (
-                start["time"])  # fmt: skip
+            keep_until = (
+                _at(kept[-1]) if kept and int(kept[-1]["step"]) > int(start.get("step", 0)) else (start["time"])
+            )
             kept_saves = [ev for ev in kept if int(ev["step"]) > int(start.get("step", 0))]
         attempt_stall = sum(float(ev.get("save_s", 0.0)) for ev in kept_saves)
         useful += max(0.0, keep_until - start["time"] - attempt_stall)
@@ -125,14 +126,16 @@ def goodput(events: list[dict[str, Any]], end_time: float | None = None) -> dict
             last_seen = max([start["time"], *seen])
             ends = ("failure", "launcher_lost", "sigterm", "preempted")
             why = next((ev.get("why") or ev["event"] for ev in body if ev["event"] in ends), "unknown")
-            failures.append({
-                "attempt": a + 1,
-                "why": why,
-                "at_step": max([int(start.get("step", 0)), *(int(ev["step"]) for ev in saves)]),
-                "resumed_at_step": int(nxt.get("step", 0)),
-                "redone_s": round(max(0.0, last_seen - keep_until), 3),
-                "restart_s": round(max(0.0, nxt["time"] - last_seen), 3),
-            })  # fmt: skip
+            failures.append(
+                {
+                    "attempt": a + 1,
+                    "why": why,
+                    "at_step": max([int(start.get("step", 0)), *(int(ev["step"]) for ev in saves)]),
+                    "resumed_at_step": int(nxt.get("step", 0)),
+                    "redone_s": round(max(0.0, last_seen - keep_until), 3),
+                    "restart_s": round(max(0.0, nxt["time"] - last_seen), 3),
+                }
+            )
     wall = max(t_end - t_begin, 1e-9)
     return {
         "goodput": min(1.0, useful / wall),
@@ -179,23 +182,25 @@ def segments(
         last = max(stepped, key=lambda ev: (int(ev["step"]), _at(ev)))  # a background save's commit can be
         # recorded after a later step's event (a SIGTERM)
         steps = int(last["step"]) - int(start.get("step", 0))
-        stall = sum(float(ev.get("save_s", 0.0)) for ev in body if ev["event"] == "checkpoint" and _at(ev)
-                    <= _at(last))  # fmt: skip
+        stall = sum(float(ev.get("save_s", 0.0)) for ev in body if ev["event"] == "checkpoint" and _at(ev) <= _at(last))
         seconds = _at(last) - start["time"] - stall
         world = int(start.get("world_size", 1))
         if steps <= 0 or seconds <= 0:
             continue
         tp = throughput(steps * global_batch, seconds, seq_len, world)
-        out.append({
-            "world_size": world,
-            "from_step": int(start.get("step", 0)),
-            "to_step": int(last["step"]),
-            "seconds": round(seconds, 3),
-            "sequences_per_sec": tp.sequences_per_sec,
-            "sequences_per_sec_per_device": tp.sequences_per_sec_per_device,
-            "mfu": mfu(tp.tokens_per_sec_per_device, flops_per_token, peak_flops_per_device)
-            if flops_per_token else None,
-        })  # fmt: skip
+        out.append(
+            {
+                "world_size": world,
+                "from_step": int(start.get("step", 0)),
+                "to_step": int(last["step"]),
+                "seconds": round(seconds, 3),
+                "sequences_per_sec": tp.sequences_per_sec,
+                "sequences_per_sec_per_device": tp.sequences_per_sec_per_device,
+                "mfu": mfu(tp.tokens_per_sec_per_device, flops_per_token, peak_flops_per_device)
+                if flops_per_token
+                else None,
+            }
+        )
     if not out:
         return None
     base = min(out, key=lambda s: s["world_size"])

@@ -54,8 +54,10 @@ def _fragments_state(files: list[Path], shapes: dict[str, torch.Size]) -> dict[s
     for name, shape in shapes.items():
         whole = torch.cat(pieces.get(name, []))
         if whole.numel() != shape.numel():
-            raise UserError(f"{files[0].parent}: optimizer partitions hold {whole.numel()} of {name}'s "
-                            f"{shape.numel()} values (are all ranks' files there?)")  # fmt: skip
+            raise UserError(
+                f"{files[0].parent}: optimizer partitions hold {whole.numel()} of {name}'s "
+                f"{shape.numel()} values (are all ranks' files there?)"
+            )
         state[name] = whole.view(shape).clone()
     return state
 
@@ -65,8 +67,11 @@ def consolidated_state(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     folder = ckpt_dir / tag
-    rank_of = {f: int(m.group(1)) for f in folder.glob("*optim_states.pt")
-               if (m := re.search(r"_zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$", f.name))}  # fmt: skip
+    rank_of = {
+        f: int(m.group(1))
+        for f in folder.glob("*optim_states.pt")
+        if (m := re.search(r"_zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$", f.name))
+    }
     files = sorted(rank_of, key=rank_of.__getitem__)
     first = {}
     if files:

@@ -680,9 +680,17 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
             steps = [st["step"] + 1] * len(ws)
             st["step"] += 1
             return GroupFragments(
-                ws, gs, ms, vs, layout.tensor_index, layout.num_tensors, layout.process_group, steps,
-                device=m.device, lowp=[],
-            )  # fmt: skip
+                ws,
+                gs,
+                ms,
+                vs,
+                layout.tensor_index,
+                layout.num_tensors,
+                layout.process_group,
+                steps,
+                device=m.device,
+                lowp=[],
+            )
         ws, gs, ms, vs, steps, lowp = [], [], [], [], [], []
         for p in params:
             if p.grad is None:

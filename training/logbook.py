@@ -12,8 +12,12 @@ from common.log import get_logger
 log = get_logger("train")
 
 LOSS_PARTS = ("mlm_loss", "nsp_loss")  # logged beside the total loss when the model returns them
-_EVAL_LABELS = (("eval_loss", "eval loss"), ("eval_mlm_accuracy", "eval MLM acc"),
-                ("eval_nsp_accuracy", "eval NSP acc"), ("eval_perplexity", "eval ppl"))  # fmt: skip
+_EVAL_LABELS = (
+    ("eval_loss", "eval loss"),
+    ("eval_mlm_accuracy", "eval MLM acc"),
+    ("eval_nsp_accuracy", "eval NSP acc"),
+    ("eval_perplexity", "eval ppl"),
+)
 
 
 class Logbook:
@@ -47,8 +51,11 @@ class Logbook:
             parts += [f"{k.replace('_loss', '').upper()} {record[k]:.4f}" for k in LOSS_PARTS if k in record]
             parts.append(f"lr {record['lr']:.3e}")
         if "sequences_per_sec" in record:
-            parts += [f"{record['sequences_per_sec']:.1f} seq/s", f"{record['tokens_per_sec']:.0f} tok/s",
-                      f"{record['tflops_per_device']:.3f} TFLOP/s/dev"]  # fmt: skip
+            parts += [
+                f"{record['sequences_per_sec']:.1f} seq/s",
+                f"{record['tokens_per_sec']:.0f} tok/s",
+                f"{record['tflops_per_device']:.3f} TFLOP/s/dev",
+            ]
             if record.get("mfu") is not None:
                 parts.append(f"MFU {100 * record['mfu']:.1f}%")
         parts += [f"{label} {record[k]:.4f}" for k, label in _EVAL_LABELS if k in record]

@@ -249,6 +249,6 @@ def summarize(
         goodput=events.goodput(run_events),
         segments=events.segments(
             run_events, facts.global_batch, facts.seq_len, facts.flops_per_token, facts.peak_flops_per_device
-        ),  # fmt: skip
+        ),
         **perf,
     )

@@ -109,8 +109,10 @@ def check_shared(ckpt_dir: Path) -> None:
             ckpt_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_text(probe, nonce)
         except OSError as e:
-            status = ("error", f"{ckpt_dir}: cannot write checkpoints there ({e.strerror}); give a writable "
-                               "run.dir or checkpoint.dir")  # fmt: skip
+            status = (
+                "error",
+                f"{ckpt_dir}: cannot write checkpoints there ({e.strerror}); give a writable run.dir or checkpoint.dir",
+            )
     kind, value = collectives.broadcast_object(status)
     if kind == "error":
         raise UserError(value)
@@ -158,8 +160,7 @@ def _find_auto(ckpt_dir: Path) -> str | None:
             "directory away to start over, or restore it"
         )
     if incomplete_tags(ckpt_dir):
-        log.warning(f"{ckpt_dir}: only incomplete checkpoints ({', '.join(incomplete_tags(ckpt_dir))}); "
-                    "starting fresh")  # fmt: skip
+        log.warning(f"{ckpt_dir}: only incomplete checkpoints ({', '.join(incomplete_tags(ckpt_dir))}); starting fresh")
     return None
 
 

@@ -177,8 +177,15 @@ class BackgroundSave:
     line on a failure.
     """
 
-    def __init__(self, ckpt_dir: Path, step: int, rank: int, writes: list[tuple[Any, str]],
-                 client_state: dict[str, Any] | None, error: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        ckpt_dir: Path,
+        step: int,
+        rank: int,
+        writes: list[tuple[Any, str]],
+        client_state: dict[str, Any] | None,
+        error: str | None = None,
+    ) -> None:
         self.ckpt_dir, self.step, self.tag, self.rank = ckpt_dir, step, tag_for(step), rank
         self.error = error  # set before the thread starts: nothing is written
         self.write_s = 0.0

@@ -213,9 +213,13 @@ class Trainer:
         self.state.tokens += self.cfg.global_batch * self.seq_len
         save = self.checkpointer.pending
         # Mean over the global batch: every micro-batch of every rank weighs the same.
-        reduction.launch(self.state.step, sums / (self.grad_accum * self.world), stop=self.stop.requested,
-                         save_written=save is not None and save.written,
-                         save_failed=save is not None and save.failed)  # fmt: skip
+        reduction.launch(
+            self.state.step,
+            sums / (self.grad_accum * self.world),
+            stop=self.stop.requested,
+            save_written=save is not None and save.written,
+            save_failed=save is not None and save.failed,
+        )
         return lr
 
     def evaluate(self) -> dict[str, float]:
@@ -243,10 +247,17 @@ class Trainer:
 
     def _log_step(self, step: int, reduction: StepReduction, lr: float, with_eval: bool) -> None:
         t0 = time.perf_counter()
-        record = {"step": step, **reduction.values, "lr": lr, "grad_norm": self._grad_norm(),
-                  "samples": self.state.samples, "tokens": self.state.tokens,
-                  **(self.last_eval if with_eval else {}), **self.performance(),
-                  "peak_memory_bytes": peak_memory_bytes()}  # fmt: skip
+        record = {
+            "step": step,
+            **reduction.values,
+            "lr": lr,
+            "grad_norm": self._grad_norm(),
+            "samples": self.state.samples,
+            "tokens": self.state.tokens,
+            **(self.last_eval if with_eval else {}),
+            **self.performance(),
+            "peak_memory_bytes": peak_memory_bytes(),
+        }
         self.logbook.write(record)
         self.logbook.console(record)
         self.clock.log_s += time.perf_counter() - t0
@@ -313,15 +324,20 @@ class Trainer:
         step = self.state.step
         if step != ckpt.last_saved and (stopped != "sigterm" or ckpt.fits_after_sigterm(step, self.stop.at)):
             ckpt.save(step, self.progress())
-        return {**perf, **self.clock.breakdown(), "measured_steps": self.clock.measured_steps,
-                "stopped": stopped}  # fmt: skip
+        return {**perf, **self.clock.breakdown(), "measured_steps": self.clock.measured_steps, "stopped": stopped}
 
     def _stopping(self, step: int) -> None:
         why = self.stop.reason or "another rank's SIGTERM or launcher loss"
         if self.stop.reason:  # this rank's own signal or launcher: recorded by the rank that saw it
             kind = "sigterm" if self.stop.reason == "SIGTERM" else "launcher_lost"
-            events.record(self.events_to.run_dir, kind, attempt=self.events_to.attempt, rank=collectives.rank(),
-                          step=step, why=self.stop.reason)  # fmt: skip
+            events.record(
+                self.events_to.run_dir,
+                kind,
+                attempt=self.events_to.attempt,
+                rank=collectives.rank(),
+                step=step,
+                why=self.stop.reason,
+            )
         log.warning(f"SIGTERM: stopping after step {step} ({why}); saving, exit code {EXIT_PREEMPTED}")
 
     def _grad_norm(self) -> float:

@@ -118,8 +118,11 @@ class DataWatchdog:
                 return
 
     def describe(self, waited_s: float) -> str:
-        who = (f"one of its {self.num_workers} DataLoader worker(s) (data.num_workers={self.num_workers})"
-               if self.num_workers > 0 else "its own read (data.num_workers=0)")  # fmt: skip
+        who = (
+            f"one of its {self.num_workers} DataLoader worker(s) (data.num_workers={self.num_workers})"
+            if self.num_workers > 0
+            else "its own read (data.num_workers=0)"
+        )
         return (
             f"its data loader gave no batch for {waited_s:.0f} s (deepspeed.timeout_s={self.timeout_s:g}): "
             f"{who} is stuck, e.g. on a stalled filesystem"
@@ -129,8 +132,13 @@ class DataWatchdog:
         import psutil
 
         rank = collectives.rank()
-        events.record(self.run_dir, "failure", rank=rank, why="data loader stalled",
-                      waited_s=round(time.monotonic() - (self._since or time.monotonic()), 3))  # fmt: skip
+        events.record(
+            self.run_dir,
+            "failure",
+            rank=rank,
+            why="data loader stalled",
+            waited_s=round(time.monotonic() - (self._since or time.monotonic()), 3),
+        )
         print(
             f"error: rank {rank} on {socket.gethostname()}: {why}; the job ends here and resumes from its "
             "last checkpoint",

@@ -91,13 +91,9 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--comm-fp32", action="store_true", help="reduce gradients in fp32 under bf16")
-    ap.add_argument(
-        "--model", choices=["mixed", "bert"], default="mixed", help="bert: small BERT (benchmark)"
-    )
+    ap.add_argument("--model", choices=["mixed", "bert"], default="mixed", help="bert: small BERT (benchmark)")
     ap.add_argument("--save-dir", default=None)
-    ap.add_argument(
-        "--save-at", type=int, default=None, help="save a checkpoint after this many steps (and go on)"
-    )
+    ap.add_argument("--save-at", type=int, default=None, help="save a checkpoint after this many steps (and go on)")
     ap.add_argument("--load-dir", default=None, help="resume from the checkpoint in this directory")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

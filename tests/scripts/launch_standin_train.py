@@ -53,9 +53,7 @@ def main() -> int:
     t = cfg["train"]
     micro, gbatch, seq, hidden = t["micro_batch"], t["global_batch"], t["seq_len"], cfg["model"]["hidden"]
     if gbatch % (micro * world):
-        raise SystemExit(
-            f"train.global_batch {gbatch} is not a multiple of micro_batch {micro} x world {world}"
-        )
+        raise SystemExit(f"train.global_batch {gbatch} is not a multiple of micro_batch {micro} x world {world}")
     accum = gbatch // (micro * world)
     model = torch.nn.Sequential(
         torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden)
