@@ -2,6 +2,7 @@
 vocab, settings and machine, measured in the same run.
 
     python benchmarks/bench_bert_instances.py [--copies 20] [--peer-dir /tmp/peers/nvidia-bert]
+    python benchmarks/bench_bert_instances.py --copies 1 --dupe-factor 1 --skip-peer --vocab V   # toy (CI)
 
 Needs: the real BERT vocab (``../shared/data/bert-base-uncased-vocab.txt`` or ``--vocab``), and the peer
 (NVIDIA DeepLearningExamples
@@ -46,9 +47,7 @@ def timed(cmd: list[str], cwd: Path | None = None) -> tuple[float, int, str]:
         "time.perf_counter()-t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, p.returncode)"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    p = subprocess.run(
-        [sys.executable, "-c", wrapper, *cmd], cwd=cwd, capture_output=True, text=True, env=env
-    )
+    p = subprocess.run([sys.executable, "-c", wrapper, *cmd], cwd=cwd, capture_output=True, text=True, env=env)
     last = [ln for ln in p.stdout.splitlines() if ln.startswith("@@")][-1].split()
     secs, rss_kb, rc = float(last[1]), int(last[2]), int(last[3])
     if rc != 0:
@@ -56,7 +55,8 @@ def timed(cmd: list[str], cwd: Path | None = None) -> tuple[float, int, str]:
     return secs, rss_kb // 1024, p.stdout
 
 
-def make_corpus(work: Path, copies: int) -> tuple[Path, Path]:
+def make_corpus(work: Path, copies: int) -> tuple[Path, Path | None]:
+    """One copy of the sample's text (one file), and ``copies`` of it in 4 files (None for one copy)."""
     from data.sample import sample_dump_path
     from data.wiki import extract_dump
 
@@ -66,6 +66,8 @@ def make_corpus(work: Path, copies: int) -> tuple[Path, Path]:
     one = work / "corpus1"
     one.mkdir()
     shutil.copy(src[0], one / "part0.txt")
+    if copies == 1:
+        return one, None
     many = work / f"corpus{copies}"
     many.mkdir()
     body = "".join(f.read_text(encoding="utf-8").rstrip("\n") + "\n\n" for f in src)
@@ -108,18 +110,20 @@ def peer(corpus: Path, vocab: Path, out: Path, peer_dir: Path, peer_python: str)
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--copies", type=int, default=20)
+    ap.add_argument("--dupe-factor", type=int, default=SETTINGS["dupe_factor"], help="both programs")
     ap.add_argument("--vocab", default=str(REPO.parent / "shared" / "data" / "bert-base-uncased-vocab.txt"))
     ap.add_argument("--peer-dir", default="/tmp/peers/nvidia-bert")
     ap.add_argument(
         "--peer-python",
-        default="/tmp/peers/venv/bin/python"
-        if Path("/tmp/peers/venv/bin/python").exists()
-        else sys.executable,
+        default="/tmp/peers/venv/bin/python" if Path("/tmp/peers/venv/bin/python").exists() else sys.executable,
     )
     ap.add_argument("--skip-peer", action="store_true", help="only our figures")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
+    if args.copies < 1 or args.dupe_factor < 1:
+        raise SystemExit(f"error: --copies and --dupe-factor must be >= 1 (got {args.copies}, {args.dupe_factor})")
+    SETTINGS["dupe_factor"] = args.dupe_factor
     vocab = Path(args.vocab)
     if not vocab.exists():
         raise SystemExit(f"the real BERT vocab is needed: {vocab} not found (../shared absent? pass --vocab)")
@@ -131,7 +135,8 @@ def main() -> int:
         work = Path(tmp)
         one, many = make_corpus(work, args.copies)
         rows = []
-        for label, corpus, shards in (("1 copy", one, 1), (f"{args.copies} copies", many, args.shards)):
+        corpora = [("1 copy", one, 1)] + ([(f"{args.copies} copies", many, args.shards)] if many else [])
+        for label, corpus, shards in corpora:
             r1 = ours(corpus, vocab, work / "o1", 1, shards)
             r2 = ours(corpus, vocab, work / "o2", 2, shards)
             tokens = r1["tokens"]

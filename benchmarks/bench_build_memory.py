@@ -1,7 +1,8 @@
 """Peak host memory per rank while building a model for ZeRO-3: ours under ``zero.Init`` beside a full build
 and beside ``transformers``' own ZeRO-3 construction, in the same run.
 
-Each side runs in fresh processes under the DeepSpeed launcher (CPU ranks, gloo), one side after the other:
+Each side runs in fresh processes under the DeepSpeed launcher (CPU ranks, gloo; a 1-rank side runs as one
+process with the launcher's environment, without the launcher), one side after the other:
 
 * ``full``: what train.py did before: the whole model in FP32 on every rank (``model.build.build_model``);
   DeepSpeed partitions it only later, in ``deepspeed.initialize``;
@@ -14,6 +15,7 @@ group) and the build's wall time. Building is construction and weight initialisa
 allocated later by ``deepspeed.initialize``, is partitioned in every case and is not measured here.
 
     python benchmarks/bench_build_memory.py --models neox-760m:2,neox-1.3b:2,neox-2.7b:1
+    python benchmarks/bench_build_memory.py --models neox-debug:1                # toy size (CI), seconds
 """
 
 from __future__ import annotations
@@ -80,10 +82,18 @@ def worker(model: str, side: str, out: Path) -> None:
     (out / f"{side}-{rank}.json").write_text(json.dumps(record))
 
 
-def run_side(model: str, ranks: int, side: str, work: Path, port: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
-           str(port), __file__, "--worker", model, side, str(work)]  # fmt: skip
+def run_side(model: str, ranks: int, side: str, work: Path) -> list[dict]:
+    from common.net import free_port
+
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    worker = [__file__, "--worker", model, side, str(work)]
+    if ranks == 1:  # what the launcher would set, without its two extra processes
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cmd = [sys.executable, *worker]
+    else:
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
+               str(port), *worker]  # fmt: skip
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if res.returncode != 0:
         raise SystemExit(f"{model} {side} on {ranks} rank(s) failed ({res.returncode}): {res.stderr[-2000:]}")
@@ -102,14 +112,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{'model':<11} {'ranks':>5} {'side':<5} {'peak RSS/rank (MiB)':>20} {'before':>8} "
           f"{'build s':>8} {'params held/rank':>17}")  # fmt: skip
-    port = 29700 + os.getpid() % 200
     for item in args.models.split(","):
         model, ranks = item.split(":")
         for side in args.sides.split(","):
             if side == "hf" and not model.startswith("neox"):
                 continue
             with tempfile.TemporaryDirectory() as tmp:
-                recs = run_side(model, int(ranks), side, Path(tmp), port)
+                recs = run_side(model, int(ranks), side, Path(tmp))
             peak = max(r["peak_mib"] for r in recs)
             before = max(r["before_mib"] for r in recs)
             took = max(r["build_s"] for r in recs)

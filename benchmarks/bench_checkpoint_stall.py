@@ -1,21 +1,25 @@
 """Training stall of a checkpoint save: ``checkpoint.async_save`` beside the synchronous save (DeepSpeed's own
 ``save_checkpoint`` writing every file before training goes on), measured in the same run.
 
-Each side trains the same model on 2 CPU ranks (the DeepSpeed launcher, gloo) and saves every
-``--every`` steps; the figures come from each run's RUN_DIR/events.jsonl: ``save_s`` is the time a save kept
-training waiting, ``write_s`` (background saves) the time the files took to be written and committed
-meanwhile. The last save of a run is synchronous on both sides and left out of the medians. ``all stalls``
-is the run's whole checkpoint stall (summary.json ``save_s``: every save, the last one and any wait for a
-background save included) and ``sequences/s`` its training throughput outside saves, evaluation and logging
-(the writer thread shares the CPU with training here).
+Each side trains the same model on ``--ranks`` CPU ranks (default 2, under the DeepSpeed launcher, gloo; 1:
+one ``train.py`` process) and saves every ``--every`` steps; the figures come from each run's
+RUN_DIR/events.jsonl: ``save_s`` is the time a save kept training waiting, ``write_s`` (background saves)
+the time the files took to be written and committed meanwhile. The last save of a run is synchronous on
+both sides and left out of the medians. ``all stalls`` is the run's whole checkpoint stall (summary.json
+``save_s``: every save, the last one and any wait for a background save included) and ``sequences/s`` its
+training throughput outside saves, evaluation and logging (the writer thread shares the CPU with training
+here).
 
     python benchmarks/bench_checkpoint_stall.py --model bert-10m --steps 14 --every 2
+
+Toy size (CI, seconds): ``--model bert-debug --steps 4 --every 2 --ranks 1 --global-batch 4 --micro-batch 2``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -33,28 +37,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=14)
     p.add_argument("--every", type=int, default=2)
     p.add_argument("--ckpt-root", default=None, help="where checkpoints go (default: under --work)")
+    p.add_argument("--ranks", type=int, default=2, help="CPU ranks (1: train.py alone, no launcher)")
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--micro-batch", type=int, default=4)
     args = p.parse_args(argv)
+    if args.steps <= args.every:
+        raise SystemExit(f"error: --steps {args.steps} must exceed --every {args.every} (the last save is "
+                         "left out)")  # fmt: skip
 
     from benchmarks.bench_train import build_data
     from common.net import free_port
     from training import events
 
     work = Path(args.work)
-    data = build_data(work, argparse.Namespace(bert_seq=128, max_pred=20, gpt_seq=128, rebuild=False))
+    data = build_data(work, argparse.Namespace(bert_seq=128, max_pred=20, gpt_seq=128, rebuild=False), kinds=("bert",))
     rows = {}
     for side, flag in (("sync (DeepSpeed save_checkpoint)", "false"), ("async (ours)", "true")):
         run_dir = work / "runs" / f"stall-{flag}"
         ckpt = Path(args.ckpt_root) / f"stall-{flag}" if args.ckpt_root else run_dir / "checkpoints"
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
-               str(free_port()), "train.py", "--config", "smoke", f"run.dir={run_dir}",
+        port = free_port()
+        start = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks),
+                 "--master_port", str(port)] if args.ranks > 1 else [sys.executable]  # fmt: skip
+        cmd = [*start, "train.py", "--config", "smoke", f"run.dir={run_dir}",
                f"checkpoint.dir={ckpt}", f"model.name={args.model}", f"data.train={data['bert']}",
                f"data.eval={data['bert']}", f"data.vocab={data['vocab']}", f"train.steps={args.steps}",
-               "train.global_batch=16", "train.micro_batch=4", "train.eval_every=0", "train.eval_samples=16",
-               f"checkpoint.every={args.every}", f"checkpoint.async_save={flag}",
-               f"checkpoint.keep={args.steps}"]  # fmt: skip
-        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+               f"train.global_batch={args.global_batch}", f"train.micro_batch={args.micro_batch}",
+               "train.eval_every=0", "train.eval_samples=16", f"checkpoint.every={args.every}",
+               f"checkpoint.async_save={flag}", f"checkpoint.keep={args.steps}"]  # fmt: skip
+        env = {**os.environ, "MASTER_PORT": str(port)}
+        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
         if res.returncode != 0:
             print(res.stderr[-3000:], file=sys.stderr)
             return 1
@@ -69,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             "write_s": statistics.median(e["write_s"] for e in saves) if flag == "true" else None,
             "checkpoint_mb": size / 1e6,
         }
-    print(f"{args.model}, 2 CPU ranks, a save every {args.every} steps; medians of the saves before the last")
+    print(f"{args.model}, {args.ranks} CPU rank(s), a save every {args.every} steps; medians of the saves "
+          "before the last")  # fmt: skip
     print(f"{'side':34} {'saves':>5} {'stall (s)':>10} {'written in (s)':>15} {'checkpoint (MB)':>16} "
           f"{'all stalls (s)':>15} {'sequences/s':>12}")  # fmt: skip
     for side, r in rows.items():

@@ -7,6 +7,7 @@ cluster the reference peer is nccl-tests (``all_reduce_perf -b 1K -e 256M -f 4 -
 process per GPU), which uses the same algbw/busbw conventions.
 
     python benchmarks/bench_comm.py --ranks 2 --sizes 1K..256M        # this machine, CPU ranks (gloo)
+    python benchmarks/bench_comm.py --ranks 2 --sizes 1K..4K --iters 3      # toy size (CI), seconds
 """
 
 from __future__ import annotations
@@ -41,14 +42,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         ours = measure("deepspeed", args.ranks, args.sizes, args.iters, Path(tmp) / "ds.json")
         peer = measure("torch", args.ranks, args.sizes, args.iters, Path(tmp) / "torch.json")
-    print(
-        f"{args.ranks} ranks, backend {ours['backend']}, device "
-        f"{ours['device']}, float32, nccl-tests conventions"
-    )
-    print(
-        f"{'op':<15}{'size':>8}{'busbw MB/s deepspeed.comm':>28}"
-        f"{'busbw MB/s torch.distributed':>31}{'ratio':>8}"
-    )
+    print(f"{args.ranks} ranks, backend {ours['backend']}, device {ours['device']}, float32, nccl-tests conventions")
+    print(f"{'op':<15}{'size':>8}{'busbw MB/s deepspeed.comm':>28}{'busbw MB/s torch.distributed':>31}{'ratio':>8}")
     from launch.commbench import fmt_bytes
 
     peer_by_key = {(r["op"], r["bytes"]): r for r in peer["results"]}

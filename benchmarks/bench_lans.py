@@ -12,6 +12,9 @@ waiting for the slower rank) against the whole training step; median over steps 
 
     python benchmarks/bench_lans.py --threads 2 --steps 15 --warmup 2       # both parts
     python benchmarks/bench_lans.py --skip-zero                              # part 1 only
+
+Toy size (CI, seconds): ``--params tiny --steps 2 --warmup 1 --zero-model mixed --zero-steps 1``: part 1 on a
+2-layer, 64-wide BERT's tensors, part 2 on ``lans_zero_run.py``'s small mixed-shape network.
 """
 
 from __future__ import annotations
@@ -64,20 +67,25 @@ class NaiveLANS(torch.optim.Optimizer):
                 p.add_(r, alpha=-lr * b1 * float(tr)).add_(c, alpha=-lr * (1 - b1) * float(tc))
 
 
-def bert_base_params() -> list[torch.nn.Parameter]:
+def bert_params(size: str) -> list[torch.nn.Parameter]:
+    """The parameters of BERT-base, or of a tiny BERT (``tiny``), with random gradients."""
     from transformers import BertConfig, BertForPreTraining
 
     torch.manual_seed(0)
-    model = BertForPreTraining(BertConfig())
+    config = BertConfig()
+    if size == "tiny":
+        config = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=128)  # fmt: skip
+    model = BertForPreTraining(config)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3
     return params
 
 
-def part1(threads: int, steps: int, warmup: int) -> None:
+def part1(threads: int, steps: int, warmup: int, size: str) -> None:
     torch.set_num_threads(threads)
-    params = bert_base_params()
+    params = bert_params(size)
     n = sum(p.numel() for p in params)
     opts = {
         "torch AdamW (foreach=True)": torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, foreach=True),
@@ -96,9 +104,7 @@ def part1(threads: int, steps: int, warmup: int) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     best = {k: min(v) for k, v in times.items()}
     base, base_best = med["torch AdamW (foreach=True)"], best["torch AdamW (foreach=True)"]
-    print(
-        f"Part 1: one optimizer step, BERT-base parameters ({len(params)} tensors, {n / 1e6:.1f}M fp32), CPU,"
-    )
+    print(f"Part 1: one optimizer step, BERT-{size} parameters ({len(params)} tensors, {n / 1e6:.1f}M fp32), CPU,")
     print(f"torch.set_num_threads({threads}), {steps} interleaved rounds after {warmup} warm-up rounds")
     print(f"{'optimizer':<36}{'median s':>10}{'x AdamW':>9}{'best s':>9}{'x AdamW':>9}")
     for k in med:
@@ -111,7 +117,7 @@ def part1(threads: int, steps: int, warmup: int) -> None:
         )
 
 
-def part2(steps: int) -> None:
+def part2(steps: int, model: str) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -130,24 +136,19 @@ def part2(steps: int) -> None:
             str(port),
         ]
         cmd += [str(REPO / "tests" / "scripts" / "lans_zero_run.py")]
-        cmd += ["--model", "bert", "--runs", "lans:2:fp32", "--steps", str(steps + 2), "--global-batch", "16"]
+        cmd += ["--model", model, "--runs", "lans:2:fp32", "--steps", str(steps + 2), "--global-batch", "16"]
         cmd += ["--micro-batch", "8", "--lr", "1e-3", "--out", str(out)]
-        subprocess.run(
-            cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        subprocess.run(cmd, cwd=REPO, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         res = torch.load(out)["lans:2:fp32"]
     step_t, comm_t = res["step_times"][2:], res["comm_times"][2:]
     frac = [c / s for c, s in zip(comm_t, step_t)]
+    what = "small BERT MLM (4x256, seq 128" if model == "bert" else "small mixed-shape network (seq 6"
     print(
-        f"\nPart 2: ZeRO-2, 2 CPU ranks (gloo, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}), small BERT MLM "
-        "(4x256, seq 128, micro-batch 8), median of "
-        f"{len(step_t)} steps"
+        f"\nPart 2: ZeRO-2, 2 CPU ranks (gloo, OMP_NUM_THREADS={env['OMP_NUM_THREADS']}), {what}, "
+        f"micro-batch 8), median of {len(step_t)} steps"
     )
     print(f"{'training step s':>16}{'norm all-reduces s':>20}{'share':>8}")
-    print(
-        f"{statistics.median(step_t):>16.3f}{statistics.median(comm_t):>20.5f}"
-        f"{100 * statistics.median(frac):>7.2f}%"
-    )
+    print(f"{statistics.median(step_t):>16.3f}{statistics.median(comm_t):>20.5f}{100 * statistics.median(frac):>7.2f}%")
 
 
 def main() -> int:
@@ -157,10 +158,12 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--zero-steps", type=int, default=8)
     p.add_argument("--skip-zero", action="store_true")
+    p.add_argument("--params", choices=("base", "tiny"), default="base", help="part 1: BERT-base or tiny")
+    p.add_argument("--zero-model", choices=("bert", "mixed"), default="bert", help="part 2: lans_zero_run.py --model")
     args = p.parse_args()
-    part1(args.threads, args.steps, args.warmup)
+    part1(args.threads, args.steps, args.warmup, args.params)
     if not args.skip_zero:
-        part2(args.zero_steps)
+        part2(args.zero_steps, args.zero_model)
     return 0
 
 

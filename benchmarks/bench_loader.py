@@ -2,6 +2,7 @@
 
     python benchmarks/bench_loader.py --world-sizes 1,128,1024              # BERT seq 128, batch 65,536
     python benchmarks/bench_loader.py --kind gpt --world-sizes 1,64,512     # GPT seq 2048, batch 1,536
+    python benchmarks/bench_loader.py --tiny --world-sizes 2 --steps 1 --seconds 0.5 --startup-shards 8
 
 Per simulated world size W (one data-parallel rank of W, in its own process; the others are not run
 because a rank's reads do not depend on them):
@@ -25,17 +26,21 @@ other ranks in streaming's one barrier.
 manifest) on rank 0 of ``max(world sizes)`` ranks, and counts the files it opens, against reading the
 same shards without a manifest (every rank opens every shard, as before format 2).
 
+``--tiny`` (toy size, CI, seconds): BERT global batch 512 at micro-batch 8, GPT seq 256 and global batch 64
+(one pass over the sample is enough data).
+
 Needs ``mosaicml-streaming`` (``pip install --no-deps mosaicml-streaming xxhash zstd brotli python-snappy
-cramjam catalogue``; its own dependencies would replace torch). Its package imports its torchvision
-datasets at import time; where no torchvision build matches the installed torch (this CPU machine),
-the streaming process puts an empty ``torchvision`` module in place first; streaming's text datasets
-and MDS reader do not use it. Builds its data from the enwiki sample (../shared's real vocabulary and
-tokenizer when present).
+cramjam catalogue``; its own dependencies would replace torch); without it, ours is measured alone (and
+says so). Its package imports its torchvision datasets at import time; where no torchvision build matches
+the installed torch (this CPU machine), the streaming process puts an empty ``torchvision`` module in place
+first; streaming's text datasets and MDS reader do not use it. Builds its data from the enwiki sample
+(../shared's real vocabulary and tokenizer when present).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -54,6 +59,12 @@ SETUP = {  # kind -> (seq_len, global batch, micro-batch); gradient accumulation
     "bert": (128, 65536, 64),  # NVIDIA's phase 1
     "gpt": (2048, 1536, 1),  # GPT-NeoX 20B's batch; one window per micro-batch
 }
+TINY = {"bert": (128, 512, 8), "gpt": (256, 64, 1)}  # --tiny (CI): seconds, not a measurement
+
+
+def setup(kind: str, tiny: bool) -> tuple[int, int, int]:
+    """(seq_len, global batch, micro-batch) of ``kind``."""
+    return (TINY if tiny else SETUP)[kind]
 
 
 def env() -> dict[str, str]:
@@ -61,14 +72,14 @@ def env() -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------------------- data
-def build(work: Path, kind: str) -> Path:
+def build(work: Path, kind: str, tiny: bool) -> Path:
     """Format-2 shards from the enwiki sample, with at least two global batches of samples."""
     from data.sample import sample_dump_path
     from data.wiki import extract_dump
 
     text = work / "text"
     extract_dump([sample_dump_path()], text, workers=2, shards=4)
-    seq, G, _ = SETUP[kind]
+    seq, G, _ = setup(kind, tiny)
     out = work / kind
     if kind == "bert":
         vocab = SHARED / "bert-base-uncased-vocab.txt"
@@ -183,7 +194,7 @@ def child_amplification(a: argparse.Namespace) -> dict:
     """Every rank of W, in-process: the worst and mean rows decoded per row used over ``steps`` steps."""
     from data.loader import PretrainingLoader
 
-    seq, G, mb = SETUP[a.kind]
+    seq, G, mb = setup(a.kind, a.tiny)
     ga = G // (mb * a.world)
     amps = []
     t0 = time.perf_counter()
@@ -203,7 +214,7 @@ def child_rate(a: argparse.Namespace) -> dict:
     """The last rank of W with one DataLoader worker: start-up, samples/s, peak RSS."""
     import torch  # noqa: F401
 
-    seq, G, mb = SETUP[a.kind]
+    seq, G, mb = setup(a.kind, a.tiny)
     ga = G // (mb * a.world)
     rank = a.world - 1
     t0 = time.perf_counter()
@@ -278,10 +289,9 @@ def child_startup(a: argparse.Namespace) -> dict:
     return {"startup_s": time.perf_counter() - t0, "files_opened": opened[0]}
 
 
-def run_child(what: str, **kw) -> dict:
-    cmd = [sys.executable, __file__, "--child", what] + [
-        f"--{k.replace('_', '-')}={v}" for k, v in kw.items()
-    ]
+def run_child(what: str, tiny: bool, **kw) -> dict:
+    cmd = [sys.executable, __file__, "--child", what] + [f"--{k.replace('_', '-')}={v}" for k, v in kw.items()]
+    cmd += ["--tiny"] if tiny else []
     p = subprocess.run(cmd, capture_output=True, text=True, env=env())
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("@@")]
     if p.returncode or not line:
@@ -310,6 +320,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=2, help="steps per rank for the amplification count")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--startup-shards", type=int, default=1000)
+    ap.add_argument("--tiny", action="store_true", help="toy batch sizes (CI: seconds, not a measurement)")
     ap.add_argument("--child")
     ap.add_argument("--data")
     ap.add_argument("--world", type=int, default=1)
@@ -320,21 +331,26 @@ def main() -> int:
         print("@@" + json.dumps(fn(a)), flush=True)
         return 0
     worlds = [int(w) for w in a.world_sizes.split(",")]
-    seq, G, mb = SETUP[a.kind]
+    seq, G, mb = setup(a.kind, a.tiny)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_loader_") as tmp:
         work = Path(tmp)
-        data = build(work, a.kind)
+        data = build(work, a.kind, a.tiny)
+        have_peer = importlib.util.find_spec("streaming") is not None
+        if not have_peer:
+            print("mosaicml-streaming is not installed (see this script's docstring): measuring ours only")
         mds = work / "mds"
-        write_mds(data, a.kind, mds)
+        if have_peer:
+            write_mds(data, a.kind, mds)
         n = sum(
-            r.get("instances", r.get("samples", 0))
-            for r in json.loads((data / "manifest.json").read_text())["shards"]
+            r.get("instances", r.get("samples", 0)) for r in json.loads((data / "manifest.json").read_text())["shards"]
         )
         for w in worlds:
-            amp = run_child("amp", kind=a.kind, data=data, world=w, steps=a.steps)
-            ours = run_child("rate", kind=a.kind, data=data, world=w, seconds=a.seconds, loader="ours")
-            peer = run_child("rate", kind=a.kind, data=mds, world=w, seconds=a.seconds, loader="streaming")
+            amp = run_child("amp", a.tiny, kind=a.kind, data=data, world=w, steps=a.steps)
+            ours = run_child("rate", a.tiny, kind=a.kind, data=data, world=w, seconds=a.seconds, loader="ours")
+            peer = None
+            if have_peer:
+                peer = run_child("rate", a.tiny, kind=a.kind, data=mds, world=w, seconds=a.seconds, loader="streaming")
             rows.append((w, amp, ours, peer))
         startup = []
         if a.startup_shards:
@@ -345,7 +361,10 @@ def main() -> int:
                 os.link(f, bare / f.name)
             for loader, where in (("ours", many), ("no-manifest", bare)):
                 startup.append(
-                    (loader, run_child("startup", kind=a.kind, data=where, world=max(worlds), loader=loader))
+                    (
+                        loader,
+                        run_child("startup", a.tiny, kind=a.kind, data=where, world=max(worlds), loader=loader),
+                    )
                 )
     print(
         f"\n{a.kind.upper()} seq {seq}, global batch {G}, micro-batch {mb}, {n} samples; "
@@ -357,12 +376,14 @@ def main() -> int:
     )
     for w, amp, ours, peer in rows:
         ga = G // (mb * w)
-        ratio = ours["samples_per_s"] / peer["samples_per_s"]
+        ratio = f"{ours['samples_per_s'] / peer['samples_per_s']:.2f}x" if peer else "-"
         print(
             f"{w:>6} {ga:>6} {'ours':<10} {amp['worst']:>14.2f} {amp['mean']:>12.2f} "
             f"{ours['samples_per_s']:>15.0f} {ours['startup_s']:>11.2f} {ours['peak_rss_mib']:>13.0f} "
-            f"{ratio:>14.2f}x"
+            f"{ratio:>15}"
         )
+        if peer is None:
+            continue
         print(
             f"{'':>6} {'':>6} {'streaming':<10} {'1.00 (no compression)':>27} {peer['samples_per_s']:>15.0f} "
             f"{peer['startup_s']:>11.2f} {peer['peak_rss_mib']:>13.0f}"

@@ -2,22 +2,25 @@
 run.
 
 CI starts DeepSpeed dozens of times, and a user waits for the first step line. Each side is started through
-the DeepSpeed launcher (2 CPU ranks, gloo) ``--repeats`` times, interleaved. Figures per side:
+the DeepSpeed launcher (``--ranks`` CPU ranks, default 2, gloo) ``--repeats`` times, interleaved. Figures
+per side:
 
-* ``launch->exit``: wall time of the whole ``deepspeed`` command (launcher, two ranks, teardown);
+* ``launch->exit``: wall time of the whole ``deepspeed`` command (launcher, ranks, teardown);
 * ``process->first step``: rank 0's age when its first training step begins: ``startup_s`` from train.py's
   summary; for the floor, its age after one full step (so the floor is if anything generous to the peer).
 
 ours runs ``train.steps=1`` of ``bert-debug`` (same shape as the floor's model) on shards built from the
-sample.
+sample (``bench_train.py``'s, in ``--work``).
 
     python benchmarks/bench_startup.py --repeats 3
+    python benchmarks/bench_startup.py --repeats 1 --ranks 1 --no-shm          # toy size (CI)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -28,25 +31,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.net import free_port  # noqa: E402
 
-def launcher(port: int) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port)]
+
+def launcher(ranks: int, port: int) -> list[str]:
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
+            str(port)]  # fmt: skip
 
 
 def build_data(work: Path) -> dict[str, Path]:
-    from data.sample import sample_dump_path
+    """BERT shards (seq 128, max_pred 20, the smoke recipe's) and their vocabulary: ``bench_train.py``'s."""
+    from benchmarks.bench_train import build_data as build
 
-    py, out = sys.executable, {"vocab": work / "vocab.txt", "train": work / "bert"}
-    if not (out["train"] / "manifest.json").exists():
-        for cmd in (
-            [py, "-m", "data", "wiki", str(sample_dump_path()), "--out", str(work / "text"), "--workers",
-             "2"],
-            [py, "-m", "data", "vocab", str(work / "text"), "--out", str(out["vocab"]), "--size", "8000"],
-            [py, "-m", "data", "bert", "--text", str(work / "text"), "--vocab", str(out["vocab"]), "--out",
-             str(out["train"]), "--seq-len", "128", "--max-pred", "20", "--workers", "2", "--no-progress"],
-        ):  # fmt: skip
-            subprocess.run(cmd, cwd=REPO, check=True, capture_output=True)
-    return out
+    args = argparse.Namespace(bert_seq=128, max_pred=20, gpt_seq=128, rebuild=False)
+    paths = build(work, args, kinds=("bert",))
+    return {"vocab": paths["vocab"], "train": paths["bert"]}
 
 
 def run_once(cmd: list[str], env: dict[str, str]) -> tuple[float, str]:
@@ -61,8 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bench_startup")
+    p.add_argument("--ranks", type=int, default=2, help="CPU ranks of each launch")
+    p.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="the floor, like train.py, does not build or map DeepSpeed's shared-memory all-reduce op (CI: "
+        "no C++ build on a fresh machine, nothing left in /dev/shm)",
+    )
     args = p.parse_args(argv)
-    import os
+    if args.repeats < 1 or args.ranks < 1:
+        raise SystemExit(f"error: --repeats and --ranks must be >= 1 (got {args.repeats}, {args.ranks})")
 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     data = build_data(args.work)
@@ -74,15 +81,17 @@ def main(argv: list[str] | None = None) -> int:
         for side in ("ours", "floor") if i % 2 == 0 else ("floor", "ours"):
             if side == "ours":
                 run_dir = args.work / f"run{i}"
-                cmd = [*launcher(29650 + i), "train.py", "--config", "smoke", f"run.dir={run_dir}",
-                       f"data.train={data['train']}", "data.eval=null", f"data.vocab={data['vocab']}",
-                       "train.steps=1", "logging.warmup_steps=0", "checkpoint.every=0",
-                       "checkpoint.resume=never", "deepspeed.precision=fp32"]  # fmt: skip
+                cmd = [*launcher(args.ranks, free_port()), "train.py", "--config", "smoke",
+                       f"run.dir={run_dir}", f"data.train={data['train']}", "data.eval=null",
+                       f"data.vocab={data['vocab']}", "train.steps=1", "logging.warmup_steps=0",
+                       "checkpoint.every=0", "checkpoint.resume=never",
+                       "deepspeed.precision=fp32"]  # fmt: skip
                 subprocess.run(["rm", "-rf", str(run_dir)], check=True)
                 wall, _ = run_once(cmd, env)
                 first = json.loads((run_dir / "summary.json").read_text())["startup_s"]
             else:
-                wall, out = run_once([*launcher(29660 + i), "benchmarks/startup_floor.py"], env)
+                floor = ["benchmarks/startup_floor.py", *(["--no-shm"] if args.no_shm else [])]
+                wall, out = run_once([*launcher(args.ranks, free_port()), *floor], env)
                 line = next(x for x in out.splitlines() if x.startswith('{"startup_s"'))
                 first = json.loads(line)["startup_s"]
             results[side]["wall"].append(wall)

@@ -29,9 +29,12 @@ processes share the CPU); the table shows the medians. Targets (from the issue):
     python benchmarks/bench_train.py --models bert-debug --repeats 3 --two-ranks
     python benchmarks/bench_train.py --peer-site /tmp/peers/hf_trainer/site   # accelerate installed there
 
-``Trainer`` needs ``accelerate`` (>= 1.1), which the project does not depend on: ``pip install accelerate``,
-or ``pip install --no-deps --target DIR accelerate`` and ``--peer-site DIR`` (only the peer's process sees
-it).
+Toy size (CI, seconds, not a measurement): ``--models bert-debug --steps 2 --warmup 1 --repeats 1
+--micro-batch 2 --global-batch 4``.
+
+``Trainer`` needs ``accelerate`` (>= 1.1), which the project itself does not use (the ``bench`` and ``dev``
+extras install it): ``pip install accelerate``, or ``pip install --no-deps --target DIR accelerate`` and
+``--peer-site DIR`` (only the peer's process sees it).
 """
 
 from __future__ import annotations
@@ -60,20 +63,12 @@ TARGET_RATIO = {"bert": 1.5, "neox": 1.0}
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument(
-        "--work", default="/tmp/bench_train", help="text, vocabularies, shards, runs, logs (reused)"
-    )
-    p.add_argument(
-        "--models", default="bert-debug,bert-10m,neox-debug", help="comma-separated registry names"
-    )
+    p.add_argument("--work", default="/tmp/bench_train", help="text, vocabularies, shards, runs, logs (reused)")
+    p.add_argument("--models", default="bert-debug,bert-10m,neox-debug", help="comma-separated registry names")
     p.add_argument("--steps", type=int, default=30, help="measured optimizer steps (after --warmup)")
     p.add_argument("--warmup", type=int, default=5, help="optimizer steps excluded from the timing")
-    p.add_argument(
-        "--repeats", type=int, default=2, help="measurements per (model, side); the median is shown"
-    )
-    p.add_argument(
-        "--threads", type=int, default=1, help="torch intra-op threads (and OMP_NUM_THREADS), both"
-    )
+    p.add_argument("--repeats", type=int, default=2, help="measurements per (model, side); the median is shown")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (and OMP_NUM_THREADS), both")
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--global-batch", type=int, default=32)
     p.add_argument("--bert-seq", type=int, default=128, help="BERT sequence length (shards built for it)")
@@ -81,12 +76,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gpt-seq", type=int, default=128, help="GPT-NeoX sequence length (shards built for it)")
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--two-ranks", action="store_true", help="also run ours on 2 DeepSpeed ranks x 1 thread")
-    p.add_argument(
-        "--port", type=int, default=29850, help="first MASTER_PORT; each of our runs takes the next"
-    )
-    p.add_argument(
-        "--peer-site", default=None, help="extra PYTHONPATH entry for the peer (where accelerate is)"
-    )
+    p.add_argument("--port", type=int, default=29850, help="first MASTER_PORT; each of our runs takes the next")
+    p.add_argument("--peer-site", default=None, help="extra PYTHONPATH entry for the peer (where accelerate is)")
     p.add_argument("--rebuild", action="store_true", help="rebuild text, vocabularies and shards")
     p.add_argument("--json", default=None, help="also write every measurement and the medians to this file")
     args = p.parse_args(argv)
@@ -103,13 +94,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, key) <= 0:
             raise UserError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     if args.global_batch % args.micro_batch:
-        raise UserError(
-            f"--global-batch={args.global_batch} is not a multiple of --micro-batch={args.micro_batch}"
-        )
+        raise UserError(f"--global-batch={args.global_batch} is not a multiple of --micro-batch={args.micro_batch}")
     if args.two_ranks and args.global_batch % (2 * args.micro_batch):
-        raise UserError(
-            f"--two-ranks: --global-batch={args.global_batch} is not a multiple of 2 x --micro-batch"
-        )
+        raise UserError(f"--two-ranks: --global-batch={args.global_batch} is not a multiple of 2 x --micro-batch")
     return args
 
 
@@ -132,18 +119,16 @@ def run_logged(cmd: list[str], log_path: Path, env: dict[str, str], what: str) -
         rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     if rc != 0:
         tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
-        raise UserError(
-            f"{what} failed with exit code {rc} ({tail[0] if tail else 'no output'}); see {log_path}"
-        )
+        raise UserError(f"{what} failed with exit code {rc} ({tail[0] if tail else 'no output'}); see {log_path}")
     return time.perf_counter() - t0
 
 
 # ----------------------------------------------------------------------------------------------- data
 
 
-def build_data(work: Path, args: argparse.Namespace) -> dict[str, Path]:
-    """Text, WordPiece vocab, BPE tokenizer, BERT and GPT shards from the enwiki sample (reused when
-    present)."""
+def build_data(work: Path, args: argparse.Namespace, kinds: tuple[str, ...] = ("bert", "gpt")) -> dict[str, Path]:
+    """Text, then for BERT (``kinds``) a WordPiece vocab and shards, for GPT a BPE tokenizer and shards, from
+    the enwiki sample (reused when present)."""
     from data.sample import sample_dump_path
 
     py = sys.executable
@@ -191,7 +176,14 @@ def build_data(work: Path, args: argparse.Namespace) -> dict[str, Path]:
             + ["--out", str(paths["gpt"]), "--seq-len", str(args.gpt_seq), "--workers", "2", "--no-progress"],
         ),
     ]
+    wanted = {"text"}
+    if "bert" in kinds:
+        wanted |= {"vocab", "bert"}
+    if "gpt" in kinds:
+        wanted |= {"tokenizer", "gpt"}
     for name, cmd in steps:
+        if name not in wanted:
+            continue
         out = paths[name]
         done = (out / "manifest.json").exists() if out.suffix == "" else out.exists()
         if done and not args.rebuild:
@@ -216,9 +208,7 @@ class Ports:
         return self.next - 1
 
 
-def our_overrides(
-    model: str, family: str, paths: dict[str, Path], run_dir: Path, args, steps: int
-) -> list[str]:
+def our_overrides(model: str, family: str, paths: dict[str, Path], run_dir: Path, args, steps: int) -> list[str]:
     """train.py overrides that match the peer's settings (no --config: every setting given here)."""
     bert = family == "bert"
     return [
@@ -251,9 +241,7 @@ def our_overrides(
     ]
 
 
-def run_ours(
-    model: str, family: str, paths: dict[str, Path], args, tag: str, ports: Ports, ranks: int = 1
-) -> dict:
+def run_ours(model: str, family: str, paths: dict[str, Path], args, tag: str, ports: Ports, ranks: int = 1) -> dict:
     """One train.py run (1 process, or ``ranks`` under the deepspeed launcher); its summary.json."""
     work = Path(args.work)
     run_dir = work / "runs" / tag
@@ -393,20 +381,19 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from model.registry import get_spec
+    from model.registry import FAMILIES, get_spec
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     families = {m: get_spec(m).family for m in models}  # unknown names fail here, before any work
+    kinds = tuple(sorted({FAMILIES[f].shard_kind for f in families.values()}))
     check_peer_available(args.peer_site)
     work = Path(args.work).resolve()
     if work == REPO or REPO in work.parents:
-        raise UserError(
-            f"--work {work} is inside the repository; use a directory outside it (e.g. /tmp/bench_train)"
-        )
+        raise UserError(f"--work {work} is inside the repository; use a directory outside it (e.g. /tmp/bench_train)")
     args.work = str(work)
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    paths = build_data(work, args)
+    paths = build_data(work, args, kinds)
     ports = Ports(args.port)
 
     results: dict[str, dict[str, list[dict]]] = {m: {"ours": [], "peer": [], "ours2": []} for m in models}
@@ -417,9 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             for side in order:
                 tag = f"{m}-{side}-r{rep}"
                 rec = (
-                    run_ours(m, fam, paths, args, tag, ports)
-                    if side == "ours"
-                    else run_peer(m, fam, paths, args, tag)
+                    run_ours(m, fam, paths, args, tag, ports) if side == "ours" else run_peer(m, fam, paths, args, tag)
                 )
                 results[m][side].append(rec)
                 log.info(
@@ -429,9 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.two_ranks:
                 rec = run_ours(m, fam, paths, args, f"{m}-ours2x1-r{rep}", ports, ranks=2)
                 results[m]["ours2"].append(rec)
-                log.info(
-                    f"{m}-ours2x1-r{rep}: {rec['sequences_per_sec']:.1f} seq/s (run {rec['wall_s']:.0f}s)"
-                )
+                log.info(f"{m}-ours2x1-r{rep}: {rec['sequences_per_sec']:.1f} seq/s (run {rec['wall_s']:.0f}s)")
 
     rows = []
     for m in models:

@@ -1,12 +1,16 @@
 """Where the time of our CPU train step goes: ``train.py`` run in this process under ``torch.profiler``.
 
-The Trainer's phases are labelled (data, forward, backward, DeepSpeed ``step`` at and between accumulation
-boundaries, loss read-back) by wrapping the engine's methods, and the profiler records the steps after
+The phases of a training step are labelled (the next batch from the loader, forward, backward, DeepSpeed
+``step`` at and between accumulation boundaries) by wrapping public methods only: the DeepSpeed engine's,
+``data.loader.PretrainingLoader.__iter__`` and ``Trainer.train_step``; the profiler records the steps after
 ``logging.warmup_steps``. Prints the wall time per phase per optimizer step and the top operators by self
 time; writes a Chrome trace when ``--trace`` is given. Same overrides as ``train.py``:
 
     python benchmarks/bench_train_profile.py --threads 1 -- model.name=bert-10m data.train=DIR data.vocab=V
     ...
+
+Toy size (seconds; shards from ``bench_train.py``'s ``--work``): ``-- model.name=bert-debug train.steps=3
+train.global_batch=4 train.micro_batch=2 logging.warmup_steps=1 ...``.
 """
 
 from __future__ import annotations
@@ -50,6 +54,28 @@ def _timed(label: str, fn):
 STATE = {"on": False, "prof": None, "t0": 0.0, "steps": 0}
 
 
+def _timed_iter(label: str, iter_fn):
+    """Wrap a loader's ``__iter__`` so that each ``next()`` on its iterator is timed as ``label``."""
+
+    @functools.wraps(iter_fn)
+    def wrapper(self):
+        it = iter_fn(self)
+        take = _timed(label, lambda: next(it))
+        try:
+            while True:
+                try:
+                    batch = take()
+                except StopIteration:
+                    return
+                yield batch
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:  # the trainer closes its iterator: the DataLoader's workers end now
+                close()
+
+    return wrapper
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
@@ -63,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed.runtime.engine as ds_engine
 
     import train
-    from training import trainer as trainer_mod
+    from data.loader import PretrainingLoader
     from training.config import load_config
+    from training.trainer import Trainer
 
     cfg = load_config(None, [*args.overrides, f"run.threads_per_rank={args.threads}"])
     warm = cfg.logging.warmup_steps
@@ -74,33 +101,28 @@ def main(argv: list[str] | None = None) -> int:
     orig_step = E.step
 
     def step(self, *a, **kw):
-        label = (
-            "step: optimizer (boundary)" if self.is_gradient_accumulation_boundary() else "step: non-boundary"
-        )
+        label = "step: optimizer (boundary)" if self.is_gradient_accumulation_boundary() else "step: non-boundary"
         return _timed(label, orig_step)(self, *a, **kw)
 
     E.step = step
-    T = trainer_mod.Trainer
-    T._next_batch = _timed("data (next batch + copy)", T._next_batch)
-    orig_train_step = T.train_step
+    PretrainingLoader.__iter__ = _timed_iter("data (next batch)", PretrainingLoader.__iter__)
+    orig_train_step = Trainer.train_step
 
-    def train_step(self):
+    def train_step(self, *a, **kw):
         if self.state.step == warm and not STATE["on"]:
-            prof = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False
-            )
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False)
             prof.__enter__()
             STATE.update(on=True, prof=prof, t0=time.perf_counter())
         if not STATE["on"]:
-            return orig_train_step(self)
+            return orig_train_step(self, *a, **kw)
         t0 = time.perf_counter()
         with torch.profiler.record_function("## train_step"):
-            out = orig_train_step(self)
+            out = orig_train_step(self, *a, **kw)
         PHASES["train_step (total)"] += time.perf_counter() - t0
         STATE["steps"] += 1
         return out
 
-    T.train_step = train_step
+    Trainer.train_step = train_step  # type: ignore[method-assign]
     rc = train.run(cfg)
     prof = STATE["prof"]
     if prof is None:
@@ -111,10 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     total = PHASES["train_step (total)"]
     print(f"\n{cfg.model.name}: {n} profiled optimizer steps, {args.threads} thread(s); per optimizer step:")
     for label, secs in sorted(PHASES.items(), key=lambda kv: -kv[1]):
-        print(
-            f"  {label:<32} {1000 * secs / n:8.1f} ms  "
-            f"{100 * secs / total:5.1f}%  ({COUNTS[label] or n} calls)"
-        )
+        print(f"  {label:<32} {1000 * secs / n:8.1f} ms  {100 * secs / total:5.1f}%  ({COUNTS[label] or n} calls)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     if args.trace:
         prof.export_chrome_trace(args.trace)

@@ -4,6 +4,10 @@ step.
 Import torch, DeepSpeed and transformers, start the process group, build the same BERT shape with
 ``transformers.BertForPreTraining``, ``deepspeed.initialize`` it (ZeRO-2, torch AdamW) and run one step on a
 random batch. No data loading, no checks, no checkpoints, no logging: what any DeepSpeed program pays.
+
+``--no-shm``: also keep DeepSpeed from building and mapping its CPU shared-memory all-reduce op, as train.py
+does on gloo (``training.engine.no_shm_all_reduce``): no C++ build on a fresh machine, nothing left in
+/dev/shm (the op's buffers outlive the job).
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ def main() -> None:
     from transformers import BertConfig, BertForPreTraining
 
     torch.set_num_threads(1)
+    if "--no-shm" in sys.argv[1:]:
+        from training.engine import no_shm_all_reduce
+
+        no_shm_all_reduce()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     torch.manual_seed(0)
     cfg = BertConfig(vocab_size=8000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,

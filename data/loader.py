@@ -90,9 +90,8 @@ def _open_shards(
     elif "format" not in shards.attrs and not _warned_missing_attrs:
         _warned_missing_attrs = True
         log.warning(
-            "%s: shards carry no attributes (NVIDIA-made?): seq_len/max_pred inferred from shapes, "
-            "vocabulary unknown and not checked",
-            shards.where,
+            f"{shards.where}: shards carry no attributes (NVIDIA-made?): seq_len/max_pred inferred from "
+            "shapes, vocabulary unknown and not checked"
         )
     return shards
 
@@ -437,12 +436,10 @@ class PretrainingLoader:
             )
         slice_rows = micro_batch * grad_accum
         if slice_rows % self.unit_rows and slice_rows < 16 * self.unit_rows:
+            worst = (slice_rows + 2 * self.unit_rows) / slice_rows
             log.info(
-                "loader: a rank's share of a step (%d rows) is not whole units of %d rows: it decodes up to "
-                "%.1fx the rows it uses",
-                slice_rows,
-                self.unit_rows,
-                (slice_rows + 2 * self.unit_rows) / slice_rows,
+                f"loader: a rank's share of a step ({slice_rows} rows) is not whole units of "
+                f"{self.unit_rows} rows: it decodes up to {worst:.1f}x the rows it uses"
             )
         self.epoch, self.pos, self.micro = 0, 0, 0
         self.global_samples = 0  # consumed over all epochs (whole steps)
@@ -602,12 +599,8 @@ class PretrainingLoader:
             )
         if state["global_batch"] != self.schedule.G:
             log.warning(
-                "loader: global batch changed from %d to %d; continuing "
-                "at sample %d of epoch %d, step boundaries shift",
-                state["global_batch"],
-                self.schedule.G,
-                state["samples_in_epoch"],
-                state["epoch"],
+                f"loader: global batch changed from {state['global_batch']} to {self.schedule.G}; continuing "
+                f"at sample {state['samples_in_epoch']} of epoch {state['epoch']}, step boundaries shift"
             )
         pos = int(state["samples_in_epoch"])
         epoch = int(state["epoch"])

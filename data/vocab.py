@@ -55,14 +55,10 @@ def _corpus_files(text_dir: Path) -> list[str]:
 
 def _check_size(size: int, kind: str) -> None:
     if size < MIN_SIZE[kind]:
-        raise UserError(
-            f"--size {size} is too small: a {kind} vocabulary needs at least {MIN_SIZE[kind]} entries"
-        )
+        raise UserError(f"--size {size} is too small: a {kind} vocabulary needs at least {MIN_SIZE[kind]} entries")
 
 
-def train_wordpiece(
-    text_dir: Path, out_path: Path, size: int, lowercase: bool = True, min_frequency: int = 2
-) -> Path:
+def train_wordpiece(text_dir: Path, out_path: Path, size: int, lowercase: bool = True, min_frequency: int = 2) -> Path:
     """Train a BERT WordPiece vocabulary of ``size`` entries on ``text_dir``; write ``vocab.txt``
     atomically."""
     from tokenizers.implementations import BertWordPieceTokenizer
@@ -90,11 +86,11 @@ def train_wordpiece(
     for i, t in enumerate(WORDPIECE_SPECIALS):
         assert tokens[i] == t, (i, t, tokens[i])
     if len(tokens) < size:
-        log.warning("vocab has %d entries, fewer than --size %d: the corpus is too small", len(tokens), size)
+        log.warning(f"vocab has {len(tokens)} entries, fewer than --size {size}: the corpus is too small")
     out_path = Path(out_path)
     atomic_write_text(out_path, "".join(t + "\n" for t in tokens))
-    log.info("wrote %s: %d WordPiece entries (%s) from %d file(s)", out_path, len(tokens),
-             "uncased" if lowercase else "cased", len(files))  # fmt: skip
+    case = "uncased" if lowercase else "cased"
+    log.info(f"wrote {out_path}: {len(tokens)} WordPiece entries ({case}) from {len(files)} file(s)")
     return out_path
 
 
@@ -121,10 +117,10 @@ def train_bpe(text_dir: Path, out_path: Path, size: int, min_frequency: int = 2)
         assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
     n = tok.get_vocab_size()
     if n < size:
-        log.warning("tokenizer has %d entries, fewer than --size %d: the corpus is too small", n, size)
+        log.warning(f"tokenizer has {n} entries, fewer than --size {size}: the corpus is too small")
     out_path = Path(out_path)
     atomic_write_text(out_path, tok.to_str(pretty=True))
-    log.info("wrote %s: byte-level BPE with %d entries from %d file(s)", out_path, n, len(files))
+    log.info(f"wrote {out_path}: byte-level BPE with {n} entries from {len(files)} file(s)")
     return out_path
 
 
@@ -141,9 +137,7 @@ def load_vocab_checked(path: Path) -> dict[str, int]:
     except UnicodeDecodeError as e:
         raise UserError(f"{path}: not a UTF-8 vocab.txt ({e.reason} at byte {e.start})") from None
     if text.lstrip().startswith("{"):
-        raise UserError(
-            f"{path}: looks like a tokenizer.json; a BERT vocab.txt (one token per line) is needed"
-        )
+        raise UserError(f"{path}: looks like a tokenizer.json; a BERT vocab.txt (one token per line) is needed")
     vocab: dict[str, int] = {}
     for i, line in enumerate(text.splitlines()):
         tok = line.rstrip("\r")
@@ -159,9 +153,7 @@ def load_vocab_checked(path: Path) -> dict[str, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "text_dir", type=Path, metavar="TEXT_DIR", help="directory of text shards (python -m data wiki)"
-    )
+    p.add_argument("text_dir", type=Path, metavar="TEXT_DIR", help="directory of text shards (python -m data wiki)")
     p.add_argument("--out", required=True, type=Path, help="vocab.txt (wordpiece) or tokenizer.json (bpe)")
     p.add_argument("--size", required=True, type=int, help="vocabulary size, special tokens included")
     p.add_argument("--kind", choices=("wordpiece", "bpe"), default="wordpiece", help="default: wordpiece")
@@ -181,8 +173,6 @@ def run(args: argparse.Namespace) -> int:
         train_bpe(args.text_dir, args.out, args.size, min_frequency=args.min_frequency)
     else:
         lowercase = True if args.lowercase is None else args.lowercase
-        train_wordpiece(
-            args.text_dir, args.out, args.size, lowercase=lowercase, min_frequency=args.min_frequency
-        )
+        train_wordpiece(args.text_dir, args.out, args.size, lowercase=lowercase, min_frequency=args.min_frequency)
     print(f"wrote {args.out}", flush=True)
     return 0

@@ -30,6 +30,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -311,6 +312,141 @@ class _ShardWriter:
 # The pipeline
 # --------------------------------------------------------------------------------------------------
 
+COUNTS = ("pages", "articles", "redirects", "other_namespace", "disambiguation", "empty", "articles_written")
+
+ChunkResult = list[tuple[str, str, int, int]]  # process_article's (status, block, sentences, chars) per page
+
+
+@dataclass
+class _Progress:
+    """What the main process has read so far: the page counters and the progress bar over the compressed
+    input of all dumps."""
+
+    bar: Any  # tqdm
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    done_bytes: int = 0  # compressed bytes of the dumps read to the end
+
+    def pages(self, path: Path, size: int) -> Iterator[_Page]:
+        """The pages of one dump, moving the bar as its compressed bytes are consumed."""
+        base = self.done_bytes
+
+        def advance(pos: int) -> None:
+            self.bar.update(base + pos - self.bar.n)
+
+        yield from iter_pages(path, advance)
+        self.done_bytes = base + size
+
+    def is_article(self, page: _Page) -> bool:
+        """Count the page; True for a main-namespace page that is not a redirect."""
+        self.counts["pages"] += 1
+        if page.ns != 0:
+            self.counts["other_namespace"] += 1
+            return False
+        if page.redirect:
+            self.counts["redirects"] += 1
+            return False
+        self.counts["articles"] += 1
+        return True
+
+
+def _article_chunks(inputs: Sequence[tuple[Path, int]], progress: _Progress) -> Iterator[list[tuple[str, str]]]:
+    """(title, wikitext) of the articles of the (dump, size) ``inputs``, in dump order, in chunks of about
+    ``CHUNK_CHARS`` of wikitext or ``CHUNK_PAGES`` pages, whichever comes first."""
+    chunk: list[tuple[str, str]] = []
+    chunk_chars = 0
+    for path, size in inputs:
+        for page in progress.pages(path, size):
+            if not progress.is_article(page):
+                continue
+            chunk.append((page.title, page.text))
+            chunk_chars += len(page.text)
+            if chunk_chars >= CHUNK_CHARS or len(chunk) >= CHUNK_PAGES:
+                yield chunk
+                chunk, chunk_chars = [], 0
+    if chunk:
+        yield chunk
+
+
+class _Cleaners:
+    """Cleans chunks of articles: in this process for one worker, else in a pool of ``workers`` spawned
+    processes with at most ``2 x workers`` chunks in flight; results in submission order either way.
+
+    A context manager. On success the pool is closed and joined. On any exception (a bad dump, Ctrl-C) the
+    chunks already handed out are waited for first, then the pool is terminated: ``Pool.terminate()`` can
+    hang while the pool's task thread is still writing a chunk to a worker it has just killed (CPython issue
+    78178; ``_BoundedOrderedMap.settle``).
+    """
+
+    def __init__(self, workers: int, min_chars: int, keep_disambiguation: bool) -> None:
+        self.workers = workers
+        self._work = functools.partial(_process_chunk, min_chars=min_chars, keep_disambiguation=keep_disambiguation)
+        self._pool: Any = None
+        self._ordered: _BoundedOrderedMap | None = None
+
+    def __enter__(self) -> _Cleaners:
+        if self.workers > 1:
+            self._pool = mp.get_context("spawn").Pool(self.workers, initializer=_init_worker)
+            self._ordered = _BoundedOrderedMap(self._pool, self._work, max_pending=2 * self.workers)
+        return self
+
+    def map(self, chunks: Iterable[list[tuple[str, str]]]) -> Iterator[ChunkResult]:
+        if self._ordered is None:
+            return map(self._work, chunks)
+        return self._ordered.map(chunks)
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if self._pool is None:
+            return
+        if exc_type is None:
+            self._pool.close()
+        else:
+            assert self._ordered is not None
+            with contextlib.suppress(BaseException):  # a second Ctrl-C stops the wait, not the clean-up
+                self._ordered.settle()
+            self._pool.terminate()
+        self._pool.join()
+        self._pool = self._ordered = None
+
+
+def _write_shards(
+    results: Iterable[ChunkResult], out_dir: Path, shards: int, counts: dict[str, int], inputs: Sequence[Path]
+) -> list[dict[str, Any]]:
+    """Write the cleaned articles round-robin into ``shards`` files, renamed into place only when all of them
+    are complete; count the dropped articles and the written ones in ``counts``. Returns the shard records.
+    """
+    with contextlib.ExitStack() as stack:
+        writers = [_ShardWriter(out_dir / f"wiki_{i:05d}.txt", stack) for i in range(shards)]
+        k = 0
+        for chunk_result in results:
+            for status, block, n_sent, n_chars in chunk_result:
+                if status == "ok":
+                    writers[k % shards].write(block, n_sent, n_chars)
+                    k += 1
+                else:
+                    counts[status] += 1
+        counts["articles_written"] = k
+        if k == 0:
+            names = ", ".join(str(p) for p in inputs)
+            raise UserError(
+                f"{names}: empty corpus: no article text left "
+                f"({counts['pages']} pages, {counts['articles']} main-namespace articles, "
+                f"{counts['redirects']} redirects)"
+            )
+        records = [w.record() for w in writers]
+        (out_dir / MANIFEST).unlink(missing_ok=True)  # invalid from here until the new one is written
+    return records
+
+
+def _check_settings(dumps: Sequence[Path], workers: int, shards: int, min_article_chars: int) -> None:
+    if workers < 1:
+        raise UserError(f"--workers must be >= 1, got {workers}")
+    if shards < 1:
+        raise UserError(f"--shards must be >= 1, got {shards}")
+    if min_article_chars < 0:
+        raise UserError(f"--min-article-chars must be >= 0, got {min_article_chars}")
+    if not dumps:
+        raise UserError("no input dump given")
+
 
 def extract_dump(
     dumps: Sequence[Path],
@@ -329,153 +465,99 @@ def extract_dump(
     files removed) on a missing, non-bz2, truncated or non-MediaWiki input, an empty corpus, or a
     non-empty ``out_dir`` without ``overwrite``.
     """
-    if workers < 1:
-        raise UserError(f"--workers must be >= 1, got {workers}")
-    if shards < 1:
-        raise UserError(f"--shards must be >= 1, got {shards}")
-    if min_article_chars < 0:
-        raise UserError(f"--min-article-chars must be >= 0, got {min_article_chars}")
-    if not dumps:
-        raise UserError("no input dump given")
+    _check_settings(dumps, workers, shards, min_article_chars)
     paths = [Path(d) for d in dumps]
     sizes = [_check_bz2(p) for p in paths]
     out_dir = Path(out_dir)
     created = prepare_out_dir(out_dir, overwrite)
-
-    counts = dict.fromkeys(
-        ("pages", "articles", "redirects", "other_namespace", "disambiguation", "empty", "articles_written"),
-        0,
-    )
-    total_bytes = sum(sizes)
-    done_bytes = 0
     start = time.perf_counter()
-    pool = None
-    ordered: _BoundedOrderedMap | None = None
-    bar = None
     try:
         from tqdm import tqdm
 
-        bar = tqdm(
-            total=total_bytes,
-            unit="B",
-            unit_scale=True,
-            desc="wiki",
-            file=sys.stderr,
-            disable=not (progress and sys.stderr.isatty()),
-        )
-
-        def chunks() -> Iterator[list[tuple[str, str]]]:
-            nonlocal done_bytes
-            chunk: list[tuple[str, str]] = []
-            chunk_chars = 0
-            for path, size in zip(paths, sizes):
-                base = done_bytes
-
-                def advance(pos: int, base: int = base) -> None:
-                    bar.update(base + pos - bar.n)
-
-                for page in iter_pages(path, advance):
-                    counts["pages"] += 1
-                    if page.ns != 0:
-                        counts["other_namespace"] += 1
-                    elif page.redirect:
-                        counts["redirects"] += 1
-                    else:
-                        counts["articles"] += 1
-                        chunk.append((page.title, page.text))
-                        chunk_chars += len(page.text)
-                        if chunk_chars >= CHUNK_CHARS or len(chunk) >= CHUNK_PAGES:
-                            yield chunk
-                            chunk, chunk_chars = [], 0
-                done_bytes = base + size
-            if chunk:
-                yield chunk
-
-        work = functools.partial(
-            _process_chunk, min_chars=min_article_chars, keep_disambiguation=keep_disambiguation
-        )
-        if workers == 1:
-            results: Iterator = map(work, chunks())
-        else:
-            pool = mp.get_context("spawn").Pool(workers, initializer=_init_worker)
-            ordered = _BoundedOrderedMap(pool, work, max_pending=2 * workers)
-            results = ordered.map(chunks())
-
-        with contextlib.ExitStack() as stack:
-            writers = [_ShardWriter(out_dir / f"wiki_{i:05d}.txt", stack) for i in range(shards)]
-            k = 0
-            for chunk_result in results:
-                for status, block, n_sent, n_chars in chunk_result:
-                    if status == "ok":
-                        writers[k % shards].write(block, n_sent, n_chars)
-                        k += 1
-                    else:
-                        counts[status] += 1
-            counts["articles_written"] = k
-            if k == 0:
-                names = ", ".join(str(p) for p in paths)
-                raise UserError(
-                    f"{names}: empty corpus: no article text left "
-                    f"({counts['pages']} pages, {counts['articles']} main-namespace articles, "
-                    f"{counts['redirects']} redirects)"
-                )
-            shard_records = [w.record() for w in writers]
-            (out_dir / MANIFEST).unlink(missing_ok=True)  # invalid from here until the new one is written
+        show = progress and sys.stderr.isatty()
+        with (
+            tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="wiki", file=sys.stderr, disable=not show) as bar,
+            _Cleaners(workers, min_article_chars, keep_disambiguation) as cleaners,
+        ):
+            read = _Progress(bar)
+            results = cleaners.map(_article_chunks(list(zip(paths, sizes)), read))
+            shard_records = _write_shards(results, out_dir, shards, read.counts, paths)
         # all shards renamed into place; drop stale ones from an earlier run with more shards
         remove_stale(out_dir, [r["file"] for r in shard_records], SHARD_PATTERN.match)
     except BaseException:
-        if pool is not None:
-            if ordered is not None:
-                with contextlib.suppress(BaseException):  # a second Ctrl-C stops the wait, not the clean-up
-                    ordered.settle()
-            pool.terminate()
-            pool.join()
-            pool = None
         if created:
             with contextlib.suppress(OSError):
                 out_dir.rmdir()
         raise
-    finally:
-        if pool is not None:
-            pool.close()
-            pool.join()
-        if bar is not None:
-            bar.close()
-
     seconds = time.perf_counter() - start
-    totals = {
+    settings = {
+        "shards": shards,
+        "min_article_chars": min_article_chars,
+        "keep_disambiguation": keep_disambiguation,
+    }
+    summary = _summary(read.counts, shard_records, sum(sizes), seconds, workers, shards, out_dir)
+    manifest = _manifest(paths, sizes, settings, read.counts, shard_records, workers, summary["seconds"])
+    atomic_write_json(out_dir / MANIFEST, manifest)
+    return summary
+
+
+def _totals(counts: dict[str, int], shard_records: list[dict[str, Any]]) -> dict[str, int]:
+    return {
         "articles": counts["articles_written"],
         "sentences": sum(r["sentences"] for r in shard_records),
         "chars": sum(r["chars"] for r in shard_records),
         "bytes": sum(r["bytes"] for r in shard_records),
     }
-    summary: dict[str, Any] = {
+
+
+def _summary(
+    counts: dict[str, int],
+    shard_records: list[dict[str, Any]],
+    input_bytes: int,
+    seconds: float,
+    workers: int,
+    shards: int,
+    out_dir: Path,
+) -> dict[str, Any]:
+    """What ``extract_dump`` returns (and ``format_summary`` prints)."""
+    totals = _totals(counts, shard_records)
+    return {
         **counts,
         "sentences": totals["sentences"],
         "chars": totals["chars"],
-        "input_bytes": total_bytes,
+        "input_bytes": input_bytes,
         "seconds": round(seconds, 3),
         "articles_per_s": round(counts["articles"] / seconds, 1) if seconds > 0 else 0.0,
-        "mb_per_s": round(total_bytes / 1e6 / seconds, 3) if seconds > 0 else 0.0,
+        "mb_per_s": round(input_bytes / 1e6 / seconds, 3) if seconds > 0 else 0.0,
         "workers": workers,
         "shards": shards,
         "out_dir": str(out_dir),
     }
-    manifest = {
+
+
+def _manifest(
+    paths: Sequence[Path],
+    sizes: Sequence[int],
+    settings: dict[str, Any],
+    counts: dict[str, int],
+    shard_records: list[dict[str, Any]],
+    workers: int,
+    seconds: float,
+) -> dict[str, Any]:
+    """manifest.json: inputs, settings, per-shard counts and sha256, totals."""
+    return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "cleaner_version": CLEANER_VERSION,
         "layout": "UTF-8; one sentence per line; one blank line after each article",
         "inputs": [{"path": str(p.resolve()), "bytes": s} for p, s in zip(paths, sizes)],
         "settings": {
-            "shards": shards,
-            "min_article_chars": min_article_chars,
-            "keep_disambiguation": keep_disambiguation,
+            **settings,
             "assignment": "round-robin: k-th written article -> shard k % shards",
             "namespaces": [0],
             "dropped": [
                 "redirects",
-                *([] if keep_disambiguation else ["disambiguation pages"]),
+                *([] if settings["keep_disambiguation"] else ["disambiguation pages"]),
                 "headings",
                 "lists",
                 "tables",
@@ -484,11 +566,9 @@ def extract_dump(
         },
         "counts": counts,
         "shards": shard_records,
-        "totals": totals,
-        "run": {"workers": workers, "seconds": summary["seconds"]},
+        "totals": _totals(counts, shard_records),
+        "run": {"workers": workers, "seconds": seconds},
     }
-    atomic_write_json(out_dir / MANIFEST, manifest)
-    return summary
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -510,9 +590,7 @@ def format_summary(s: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "dumps", nargs="+", type=Path, metavar="DUMP.xml.bz2", help="MediaWiki pages-articles dump(s)"
-    )
+    p.add_argument("dumps", nargs="+", type=Path, metavar="DUMP.xml.bz2", help="MediaWiki pages-articles dump(s)")
     p.add_argument("--out", required=True, type=Path, metavar="TEXT_DIR", help="output directory for shards")
     p.add_argument(
         "--workers",

@@ -145,9 +145,7 @@ def slurm_hostnames(nodelist: str) -> list[str]:
         out = subprocess.run([scontrol, "show", "hostnames", nodelist], capture_output=True, text=True)
         if out.returncode == 0:
             return [validate_host(h) for h in out.stdout.split()]
-        log.warning(
-            "scontrol show hostnames failed (%s); expanding the node list ourselves", out.stderr.strip()
-        )
+        log.warning(f"scontrol show hostnames failed ({out.stderr.strip()}); expanding the node list ourselves")
     return expand_slurm_nodelist(nodelist)
 
 
@@ -255,14 +253,12 @@ def serve_registration(
     registered: dict[int, tuple[Host, socket.socket]] = {}
     with socket.create_server((bind, port), reuse_port=False) as srv:
         srv.settimeout(1.0)
-        log.info("waiting for %d child node(s) on port %d", num_nodes - 1, port)
+        log.info(f"waiting for {num_nodes - 1} child node(s) on port {port}")
         try:
             while len(registered) < num_nodes - 1:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(num_nodes)) - set(registered) - {main_index})
-                    raise UserError(
-                        f"AWS Batch registration: nodes {missing} did not register within {timeout_s:.0f}s"
-                    )
+                    raise UserError(f"AWS Batch registration: nodes {missing} did not register within {timeout_s:.0f}s")
                 try:
                     conn, peer = srv.accept()
                 except TimeoutError:
@@ -280,11 +276,11 @@ def serve_registration(
                     if index in registered:
                         raise ValueError(f"node index {index} registered twice")
                 except (ValueError, KeyError, TypeError, ConnectionError, UserError, TimeoutError) as e:
-                    log.warning("rejected registration from %s: %s", peer[0], e)
+                    log.warning(f"rejected registration from {peer[0]}: {e}")
                     conn.close()
                     continue
                 registered[index] = (Host(ip, n), conn)
-                log.info("node %d registered as %s (slots=%d)", index, ip, n)
+                log.info(f"node {index} registered as {ip} (slots={n})")
             hosts = [Host(main_ip, slots)] + [registered[i][0] for i in sorted(registered)]
             text = hostfile_text(hosts)
             for _, conn in registered.values():
@@ -360,9 +356,7 @@ def awsbatch_hosts(slots: int, port: int, timeout_s: float, ip: str | None) -> t
     hosts = register_with_main(main_ip, port, index, my_ip, slots, timeout_s, *job_credentials())
     names = [h.name for h in hosts]
     if my_ip not in names:
-        raise UserError(
-            f"AWS Batch registration: this node ({my_ip}) is missing from the main node's hostfile"
-        )
+        raise UserError(f"AWS Batch registration: this node ({my_ip}) is missing from the main node's hostfile")
     return hosts, names.index(my_ip), hosts[0].name
 
 
@@ -372,16 +366,10 @@ def awsbatch_hosts(slots: int, port: int, timeout_s: float, ip: str | None) -> t
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--from", dest="source", choices=["slurm", "awsbatch", "list"], default="list")
     parser.add_argument("--hosts", default="", help="comma-separated host names or IPs (--from list)")
-    parser.add_argument(
-        "--slots", type=int, default=None, help="accelerators per node (slurm: SLURM_GPUS_ON_NODE)"
-    )
+    parser.add_argument("--slots", type=int, default=None, help="accelerators per node (slurm: SLURM_GPUS_ON_NODE)")
     parser.add_argument("--out", required=True, help="hostfile to write")
-    parser.add_argument(
-        "--port", type=int, default=DEFAULT_REGISTRATION_PORT, help="awsbatch registration port"
-    )
-    parser.add_argument(
-        "--timeout", type=float, default=600.0, help="awsbatch: seconds to wait for all nodes"
-    )
+    parser.add_argument("--port", type=int, default=DEFAULT_REGISTRATION_PORT, help="awsbatch registration port")
+    parser.add_argument("--timeout", type=float, default=600.0, help="awsbatch: seconds to wait for all nodes")
     parser.add_argument("--ip", default=None, help="awsbatch: this node's address (default: detected)")
     parser.add_argument(
         "--env-out",

@@ -62,10 +62,10 @@ class Run:
     @property
     def achieved_flops_per_device(self) -> float | None:
         """Model FLOP/s per accelerator the run reached, or None when its summary lacks the figures."""
-        tokens, fpt = self.summary.tokens_per_sec_per_device, self.summary.flops_per_token
-        if not (_positive_number(tokens) and _positive_number(fpt)):
+        tokens, per_token = self.summary.tokens_per_sec_per_device, self.summary.flops_per_token
+        if not (_positive_number(tokens) and _positive_number(per_token)):
             return None
-        return tflops_per_device(float(tokens), float(fpt)) * 1e12
+        return tflops_per_device(float(tokens), float(per_token)) * 1e12
 
 
 def _finite(v: Any) -> bool:
@@ -184,16 +184,16 @@ class Recipe:
 def load_phase(name_or_path: str) -> Phase:
     """A recipe name (``neox-20b``) or YAML, through ``training.config.load_config`` (``base:``, defaults)."""
     from model.flops import training_flops_per_token
-    from model.registry import get_spec
+    from model.registry import family_of, get_spec
     from training.config import load_config, resolve_config_path
 
     path = resolve_config_path(name_or_path)
     cfg = load_config(str(path))
     # The vocabulary size is the registry's unless model.vocab_size sets it (train.py reads it from the data).
     spec = get_spec(cfg.model.name, vocab_size=cfg.model.vocab_size)
-    max_pred = cfg.data.max_pred if spec.family == "bert" else None
-    fpt = training_flops_per_token(spec, cfg.data.seq_len, max_pred)
-    return Phase(str(path), cfg.model.name, cfg.train.steps, cfg.train.global_batch, cfg.data.seq_len, fpt)
+    max_pred = cfg.data.max_pred if family_of(spec).uses_max_pred else None
+    per_token = training_flops_per_token(spec, cfg.data.seq_len, max_pred)
+    return Phase(str(path), cfg.model.name, cfg.train.steps, cfg.train.global_batch, cfg.data.seq_len, per_token)
 
 
 def load_recipe(names: list[str]) -> Recipe:
@@ -279,9 +279,7 @@ def build_rows(
                     p.model != s.model or p.seq_len != s.seq_len for p in recipe.phases
                 )
                 row["projected_cost"] = (
-                    hours * r.nodes * price_per_instance_hour
-                    if hours is not None and price_per_instance_hour
-                    else None
+                    hours * r.nodes * price_per_instance_hour if hours is not None and price_per_instance_hour else None
                 )
             rows.append(row)
     return rows
@@ -392,9 +390,7 @@ def markdown(rows: list[dict[str, Any]], recipe: Recipe | None = None, price: fl
     return out.getvalue()
 
 
-def recipe_markdown(
-    recipe: Recipe, device: str | None = None, mfu: float | None = None, accelerators: int = 1
-) -> str:
+def recipe_markdown(recipe: Recipe, device: str | None = None, mfu: float | None = None, accelerators: int = 1) -> str:
     """The recipe's phases and their FLOPs; with ``device`` and ``mfu``, its projected time there."""
     out = io.StringIO()
     out.write("### Recipe\n\n")
@@ -448,11 +444,7 @@ def plot(rows: list[dict[str, Any]], path: str | Path) -> None:
         label = f"{grp[0]['model'] or 'run'} [{fp[:8]}]"
         x = [r["accelerators"] for r in grp]
         ax_tp.plot(x, [r["sequences_per_sec"] for r in grp], "o-", label=label)
-        pts = [
-            (r["accelerators"], r["scaling_efficiency"] * 100)
-            for r in grp
-            if r["scaling_efficiency"] is not None
-        ]
+        pts = [(r["accelerators"], r["scaling_efficiency"] * 100) for r in grp if r["scaling_efficiency"] is not None]
         if pts:
             ax_eff.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
     ax_eff.axhline(100, color="grey", lw=0.8, ls="--")
@@ -480,16 +472,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="comma list of recipe names or YAMLs (its phases, in order) to project time and cost for",
     )
-    parser.add_argument(
-        "--profile", default=None, help="cluster profile (name or YAML) with price_per_instance_hour"
-    )
-    parser.add_argument(
-        "--device", default=None, help="with --recipe: project on this device (exact name, or cpu)"
-    )
+    parser.add_argument("--profile", default=None, help="cluster profile (name or YAML) with price_per_instance_hour")
+    parser.add_argument("--device", default=None, help="with --recipe: project on this device (exact name, or cpu)")
     parser.add_argument("--mfu", type=float, default=None, help="with --device: the MFU to assume (0-1)")
-    parser.add_argument(
-        "--accelerators", type=int, default=1, help="with --device: how many devices (default 1)"
-    )
+    parser.add_argument("--accelerators", type=int, default=1, help="with --device: how many devices (default 1)")
 
 
 def _check_device_args(args: argparse.Namespace) -> None:

@@ -83,10 +83,7 @@ def plan(args: argparse.Namespace) -> list[tuple[Path, list[str], dict[str, str]
         cores = os.cpu_count() or 1
         if w * threads > cores:
             log.warning(
-                "world size %d x %d thread(s) > %d cores: the run measures oversubscription, not scaling",
-                w,
-                threads,
-                cores,
+                f"world size {w} x {threads} thread(s) > {cores} cores: the run measures oversubscription, not scaling"
             )
         run_dir = out / f"w{w}"
         cmd = runner + [

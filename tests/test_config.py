@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import training.config
 from common.errors import UserError
 from tests.conftest import REPO, run_env
 from training.config import CONFIG_DIR, Config, gradient_accumulation, load_config
@@ -127,11 +130,7 @@ def run_train(*args: str) -> subprocess.CompletedProcess:
 def test_cli_config_errors_are_one_line(args, message):
     out = run_train(*args)
     assert out.returncode == 2, out.stderr
-    lines = [
-        line
-        for line in out.stderr.splitlines()
-        if line.strip() and "Warning" not in line and "warn" not in line
-    ]
+    lines = [line for line in out.stderr.splitlines() if line.strip() and "Warning" not in line and "warn" not in line]
     assert lines[-1].startswith(message), out.stderr
     assert "Traceback" not in out.stderr
 
@@ -155,3 +154,48 @@ def test_nccl_without_cuda_is_one_line():
         "use deepspeed.backend=gloo on CPU"
     ], out.stderr
     assert "Traceback" not in out.stderr
+
+
+def _field_docstrings(source: str) -> dict[str, dict[str, str | None]]:
+    """Per dataclass in ``source``: each annotated field and the string literal right after it (None when
+    there is none)."""
+    out: dict[str, dict[str, str | None]] = {}
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        fields: dict[str, str | None] = {}
+        for stmt, after in zip(node.body, [*node.body[1:], None]):
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                doc = None
+                if (
+                    isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str)
+                ):
+                    doc = after.value.value.strip() or None
+                fields[stmt.target.id] = doc
+        out[node.name] = fields
+    return out
+
+
+def test_field_docstring_check_sees_a_missing_one():
+    found = _field_docstrings('class S:\n    a: int = 1\n    """A."""\n    b: int = 2\n    c: int = 3\n    """C."""\n')
+    assert found == {"S": {"a": "A.", "b": None, "c": "C."}}
+
+
+def test_every_config_field_has_a_docstring():
+    """Every field of every section (``Config``'s own fields are the sections) says what it means, right
+    where it is declared, as a string literal after it."""
+    found = _field_docstrings(Path(training.config.__file__).read_text())
+    sections = {
+        name: cls
+        for name, cls in vars(training.config).items()
+        if dataclasses.is_dataclass(cls) and isinstance(cls, type) and cls is not Config
+    }
+    assert {"RunSection", "OptimizerSection", "WandbSection"} <= set(sections)
+    missing = []
+    for name, cls in sections.items():
+        declared = [f.name for f in dataclasses.fields(cls)]
+        assert list(found[name]) == declared, f"{name}: fields seen in the source differ from the dataclass's"
+        missing += [f"{name}.{f}" for f in declared if found[name][f] is None]
+    assert not missing, f"fields without a docstring (a string literal right after the field): {missing}"

@@ -159,8 +159,7 @@ def test_known_sentences_are_split_correctly(wiki_text_dir: Path) -> None:
     arts = articles_of(wiki_text_dir)
     # Anarchism is the sample's first article, so it opens shard 0.
     assert arts[0][:3] == [
-        "Anarchism is a political philosophy that advocates "
-        "self-governed societies based on voluntary institutions.",
+        "Anarchism is a political philosophy that advocates self-governed societies based on voluntary institutions.",
         "These are often described as stateless societies, although several authors have defined them more "
         "specifically as institutions based on non-hierarchical free associations.",
         "Anarchism considers the state to be undesirable, unnecessary, and harmful.",
@@ -199,15 +198,10 @@ def test_keep_disambiguation_gives_105_articles_with_text(sample_dump: Path, tmp
     s = extract_dump([sample_dump], tmp_path / "all", workers=1, keep_disambiguation=True)
     assert (s["pages"], s["articles"], s["empty"], s["articles_written"]) == (206, 106, 1, 105)
     assert s["disambiguation"] == 0
-    assert (
-        json.loads((tmp_path / "all" / "manifest.json").read_text())["settings"]["keep_disambiguation"]
-        is True
-    )
+    assert json.loads((tmp_path / "all" / "manifest.json").read_text())["settings"]["keep_disambiguation"] is True
 
 
-def test_output_is_identical_for_any_worker_count(
-    wiki_text_dir: Path, sample_dump: Path, tmp_path: Path
-) -> None:
+def test_output_is_identical_for_any_worker_count(wiki_text_dir: Path, sample_dump: Path, tmp_path: Path) -> None:
     handler = signal.getsignal(signal.SIGINT)
     s = extract_dump([sample_dump], tmp_path / "w1", workers=1, shards=WIKI_FIXTURE_SHARDS)
     assert s["workers"] == 1
@@ -274,7 +268,9 @@ def test_clean_wikitext(wikitext: str, expected: str) -> None:
             ["See No. 5 and pp. 12-14.", "In Jan. 1990 snow fell."],
         ),
         ("Apples, pears, etc. were sold. Then rain.", ["Apples, pears, etc. were sold.", "Then rain."]),
+        # codespell:ignore-begin (German)
         ("Die Katze schläft z. B. im Haus. Ende.", ["Die Katze schläft z. B. im Haus.", "Ende."]),
+        # codespell:ignore-end
         ("東京は日本の首都である。人口は多い。", ["東京は日本の首都である。", "人口は多い。"]),
         ("no terminal punctuation", ["no terminal punctuation"]),
         ("", []),
@@ -288,11 +284,13 @@ def test_split_sentences(paragraph: str, expected: list[str]) -> None:
 # small dumps written here
 # --------------------------------------------------------------------------------------------------
 
+# codespell:ignore-begin (German)
 GERMAN = (
     "Die '''Österreichische Nationalbibliothek''' ist die größte Bibliothek [[Österreich]]s. "
     "Sie wurde z. B. von [[Karl VI.|Kaiser Karl]] erweitert.<ref>Quelle, S. 12.</ref> "
     "Der Prunksaal gilt als einer der schönsten Bibliothekssäle der Welt."
 )
+# codespell:ignore-end
 JAPANESE = "'''東京都'''は[[日本]]の[[首都]]である。人口は約1400万人である。{{要出典}}"
 
 
@@ -314,11 +312,13 @@ def test_non_english_text_survives(tmp_path: Path) -> None:
     assert s["empty"] == 1  # "Leer" has no prose at all
     assert s["articles_written"] == 2
     arts = articles_of(tmp_path / "out")
+    # codespell:ignore-begin (German)
     assert arts[0] == [
         "Die Österreichische Nationalbibliothek ist die größte Bibliothek Österreichs.",
         "Sie wurde z. B. von Kaiser Karl erweitert.",
         "Der Prunksaal gilt als einer der schönsten Bibliothekssäle der Welt.",
     ]
+    # codespell:ignore-end
     assert arts[-1] == ["東京都は日本の首都である。", "人口は約1400万人である。"]
     raw = (tmp_path / "out" / "wiki_00000.txt").read_bytes()
     assert "Österreichs".encode() in raw and "首都".encode() in raw  # UTF-8, no escaping, no NFKD
@@ -336,7 +336,9 @@ def test_multistream_dump_reads_every_stream(tmp_path: Path) -> None:
 
 def test_two_dumps_and_overwrite_with_fewer_shards(tmp_path: Path) -> None:
     a = small_dump(tmp_path, "a.xml.bz2")
+    # codespell:ignore-begin (German)
     b = write_bz2(tmp_path / "b.xml.bz2", dump_xml([page_xml("Zwei", "Zweiter Text. Ende.", pid=9)]))
+    # codespell:ignore-end
     out = tmp_path / "out"
     s = extract_dump([a, b], out, shards=5)
     assert s["articles_written"] == 3 and s["pages"] == 6
@@ -443,9 +445,7 @@ def test_bad_input_keeps_existing_output_untouched(tmp_path: Path, sample_dump: 
     # a non-empty output directory without --overwrite
     res = cli(str(good), "--out", str(out))
     assert res.returncode == 2 and res.stderr.strip().splitlines() == [res.stderr.strip()]
-    assert (
-        res.stderr.startswith(f"error: {out}: output directory is not empty") and "--overwrite" in res.stderr
-    )
+    assert res.stderr.startswith(f"error: {out}: output directory is not empty") and "--overwrite" in res.stderr
     assert snapshot(out) == before
     # --overwrite with a truncated dump: the previous shards and manifest survive
     path, _ = _bad_inputs(tmp_path, sample_dump)["truncated"]
@@ -456,11 +456,11 @@ def test_bad_input_keeps_existing_output_untouched(tmp_path: Path, sample_dump: 
 
 def test_output_path_that_is_a_file(tmp_path: Path) -> None:
     good = small_dump(tmp_path)
-    (tmp_path / "afile").write_text("x")
-    res = cli(str(good), "--out", str(tmp_path / "afile"))
+    (tmp_path / "a_file").write_text("x")
+    res = cli(str(good), "--out", str(tmp_path / "a_file"))
     assert (
         res.returncode == 2
-        and res.stderr.strip() == f"error: {tmp_path / 'afile'}: output path exists and is not a directory"
+        and res.stderr.strip() == f"error: {tmp_path / 'a_file'}: output path exists and is not a directory"
     )
 
 

@@ -1,5 +1,5 @@
-"""The repository passes its own lint, format and type checks (configured in pyproject.toml; CI runs them
-too).
+"""The repository passes its own lint, format, type and spelling checks (configured in pyproject.toml; CI
+runs them too).
 
 The tools are the ones installed beside the interpreter running the tests (the project's virtualenv, dev
 extra); a tool that is not installed there is skipped, with the reason, rather than failed.
@@ -7,6 +7,7 @@ extra); a tool that is not installed there is skipped, with the reason, rather t
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,29 @@ def test_mypy() -> None:
     # files and strictness come from [tool.mypy] in pyproject.toml
     r = _run("mypy", timeout=600)
     assert r.returncode == 0, f"mypy failed:\n{r.stdout}{r.stderr}"
+
+
+def test_codespell() -> None:
+    # what is checked and skipped, and the few real words it would flag, come from [tool.codespell]
+    r = _run("codespell", timeout=120)
+    assert r.returncode == 0, f"codespell found misspellings:\n{r.stdout}{r.stderr}"
+
+
+def test_one_logging_style() -> None:
+    """Log messages are f-strings, as in the rest of the project: no ``%``-style arguments after them."""
+
+    calls = {"debug", "info", "warning", "error", "exception", "critical"}
+    found = []
+    for top in ("common", "data", "model", "training", "launch", "benchmarks", "scripts", "train.py"):
+        for path in sorted((REPO / top).rglob("*.py")) if (REPO / top).is_dir() else [REPO / top]:
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in calls
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id in {"log", "logger"}
+                    and len(node.args) > 1
+                ):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not found, f"log calls with %-style arguments (use an f-string): {found}"

@@ -70,10 +70,17 @@ class DataSection:
 @dataclass
 class OptimizerSection:
     name: Literal["lans", "lamb", "adamw"] = "lans"
+    """lans (LANS, Zheng et al. 2020), lamb (LAMB, You et al. 2019) or adamw (torch's AdamW)."""
     lr: float = 1e-3
+    """Peak learning rate (dimensionless): the schedule section multiplies it by a factor that warms up from 0
+    to 1, then decays."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """[beta1, beta2]: decay rates of the first and second moment estimates, each in [0, 1)."""
     eps: float = 1e-6
+    """Added to the square root of the second moment in the update's denominator (numerical stability)."""
     weight_decay: float = 0.01
+    """Weight decay coefficient, decoupled (added to the update, times lr, not to the gradient); biases, norm
+    parameters and other 1-D tensors get none."""
     trust_no_decay: bool = True
     """LANS/LAMB: apply the trust ratio to the group without weight decay (biases, LayerNorm) too, as the
     papers do; false gives that group ratio 1, as NVIDIA's FusedLAMB does. No effect on adamw."""
@@ -104,6 +111,8 @@ class TrainSection:
     grad_accum: int | None = None
     """Derived: global_batch / (micro_batch x data-parallel world size). Give it only to assert it."""
     seed: int = 1234
+    """Random seed of the initial weights (the same on every rank), of dropout (seed + 1000 x rank) and of
+    the data order of every epoch."""
     eval_every: int = 0
     """Evaluate every K steps (0: only at the end when data.eval is set)."""
     eval_samples: int = 256
@@ -122,6 +131,8 @@ class TrainSection:
 @dataclass
 class DeepSpeedSection:
     zero_stage: Literal[0, 1, 2, 3] = 0
+    """ZeRO stage: 1 partitions the optimizer state over the data-parallel ranks, 2 also the gradients, 3
+    also the parameters; 0 none. bf16 at 0 runs as 1 (``training.engine.effective_zero_stage``)."""
     precision: Literal["bf16", "fp16", "fp32"] = "bf16"
     """bf16: BF16 compute with FP32 master weights and FP32 gradient accumulation."""
     grad_clip: float = 1.0
@@ -141,7 +152,10 @@ class DeepSpeedSection:
     """Collective timeout of every process group of the job (DeepSpeed's own groups included): a dead or hung
     rank ends the job within this bound instead of hanging it."""
     overlap_comm: bool = True
+    """ZeRO: overlap the gradient reduction with the backward pass (accelerators only; off on CPU)."""
     bucket_size: int = 200_000_000
+    """ZeRO communication bucket size, in elements: reduce and all-gather buckets (ZeRO-3 prefetches a
+    quarter of it); larger means fewer, bigger collectives and more memory."""
 
 
 @dataclass
@@ -182,8 +196,12 @@ class WandbSection:
     project: str | None = None
     """Set to log to wandb (WANDB_MODE=offline works without network)."""
     entity: str | None = None
+    """wandb user or team that owns the project (default: wandb's default entity of the logged-in user)."""
     name: str | None = None
+    """wandb run name (default: run.name)."""
     mode: Literal["online", "offline", "disabled"] | None = None
+    """wandb mode (offline: synced later with ``wandb sync``); default: wandb's own (WANDB_MODE, else
+    online)."""
 
 
 @dataclass
@@ -193,6 +211,7 @@ class LoggingSection:
     warmup_steps: int = 2
     """Steps excluded from throughput (compilation, allocator warm-up)."""
     wandb: WandbSection = field(default_factory=WandbSection)
+    """Weights & Biases logging from rank 0 (the ``wandb`` extra)."""
     tensorboard: bool = False
     """Also log through DeepSpeed's TensorBoard monitor (RUN_DIR/tensorboard)."""
 
@@ -404,16 +423,10 @@ def validate(cfg: Config) -> None:
             f"{cfg.schedule.constant}"
         )
     if cfg.deepspeed.offload_param and cfg.deepspeed.zero_stage != 3:
-        raise UserError(
-            f"deepspeed.offload_param needs deepspeed.zero_stage=3, got {cfg.deepspeed.zero_stage}"
-        )
+        raise UserError(f"deepspeed.offload_param needs deepspeed.zero_stage=3, got {cfg.deepspeed.zero_stage}")
     if cfg.deepspeed.mics_shard_size and cfg.deepspeed.zero_stage != 3:
-        raise UserError(
-            f"deepspeed.mics_shard_size needs deepspeed.zero_stage=3, got {cfg.deepspeed.zero_stage}"
-        )
-    if cfg.optimizer.name in ("lans", "lamb") and (
-        cfg.deepspeed.zero_stage == 3 or cfg.deepspeed.offload_optimizer
-    ):
+        raise UserError(f"deepspeed.mics_shard_size needs deepspeed.zero_stage=3, got {cfg.deepspeed.zero_stage}")
+    if cfg.optimizer.name in ("lans", "lamb") and (cfg.deepspeed.zero_stage == 3 or cfg.deepspeed.offload_optimizer):
         raise UserError(
             f"optimizer.name={cfg.optimizer.name} keeps per-tensor trust ratios under ZeRO stages 0-2 "
             f"without optimizer offload; got deepspeed.zero_stage={cfg.deepspeed.zero_stage}, "
