@@ -79,11 +79,36 @@ def make_corpus(work: Path, copies: int) -> tuple[Path, Path | None]:
 
 
 def ours(corpus: Path, vocab: Path, out: Path, workers: int, shards: int) -> dict:
-    cmd = [sys.executable, "-m", "data", "bert", "--text", str(corpus), "--vocab", str(vocab), "--out",
-           str(out), "--seq-len", str(SETTINGS["seq_len"]), "--max-pred", str(SETTINGS["max_pred"]),
-           "--dupe-factor", str(SETTINGS["dupe_factor"]), "--masked-lm-prob", str(SETTINGS["masked_lm_prob"]),
-           "--short-seq-prob", str(SETTINGS["short_seq_prob"]), "--seed", str(SETTINGS["seed"]),
-           "--workers", str(workers), "--shards", str(shards), "--overwrite", "--no-progress"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "data",
+        "bert",
+        "--text",
+        str(corpus),
+        "--vocab",
+        str(vocab),
+        "--out",
+        str(out),
+        "--seq-len",
+        str(SETTINGS["seq_len"]),
+        "--max-pred",
+        str(SETTINGS["max_pred"]),
+        "--dupe-factor",
+        str(SETTINGS["dupe_factor"]),
+        "--masked-lm-prob",
+        str(SETTINGS["masked_lm_prob"]),
+        "--short-seq-prob",
+        str(SETTINGS["short_seq_prob"]),
+        "--seed",
+        str(SETTINGS["seed"]),
+        "--workers",
+        str(workers),
+        "--shards",
+        str(shards),
+        "--overwrite",
+        "--no-progress",
+    ]
     secs, rss, _ = timed(cmd, cwd=REPO)
     man = json.loads((out / "manifest.json").read_text())
     return {
@@ -95,12 +120,29 @@ def ours(corpus: Path, vocab: Path, out: Path, workers: int, shards: int) -> dic
 
 
 def peer(corpus: Path, vocab: Path, out: Path, peer_dir: Path, peer_python: str) -> dict:
-    cmd = [peer_python, str(peer_dir / "create_pretraining_data.py"), "--vocab_file", str(vocab),
-           "--input_file", str(corpus), "--output_file", str(out), "--max_seq_length",
-           str(SETTINGS["seq_len"]), "--max_predictions_per_seq", str(SETTINGS["max_pred"]), "--dupe_factor",
-           str(SETTINGS["dupe_factor"]), "--masked_lm_prob", str(SETTINGS["masked_lm_prob"]),
-           "--short_seq_prob", str(SETTINGS["short_seq_prob"]), "--random_seed", str(SETTINGS["seed"]),
-           "--do_lower_case"]  # fmt: skip
+    cmd = [
+        peer_python,
+        str(peer_dir / "create_pretraining_data.py"),
+        "--vocab_file",
+        str(vocab),
+        "--input_file",
+        str(corpus),
+        "--output_file",
+        str(out),
+        "--max_seq_length",
+        str(SETTINGS["seq_len"]),
+        "--max_predictions_per_seq",
+        str(SETTINGS["max_pred"]),
+        "--dupe_factor",
+        str(SETTINGS["dupe_factor"]),
+        "--masked_lm_prob",
+        str(SETTINGS["masked_lm_prob"]),
+        "--short_seq_prob",
+        str(SETTINGS["short_seq_prob"]),
+        "--random_seed",
+        str(SETTINGS["seed"]),
+        "--do_lower_case",
+    ]
     secs, rss, _ = timed(cmd, cwd=peer_dir)
     with h5py.File(out) as f:
         n = len(f["input_ids"])
@@ -148,9 +190,11 @@ def main() -> int:
                 if name in res:
                     r = res[name]
                     rows.append((label, name, r["instances"], tokens, r["seconds"], r["rss_mib"]))
-    print(f"\nBERT instances, seq {SETTINGS['seq_len']}, max_pred {SETTINGS['max_pred']}, "
-          f"dupe {SETTINGS['dupe_factor']}, "
-          f"{os.cpu_count()} CPUs, load avg at end {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(
+        f"\nBERT instances, seq {SETTINGS['seq_len']}, max_pred {SETTINGS['max_pred']}, "
+        f"dupe {SETTINGS['dupe_factor']}, "
+        f"{os.cpu_count()} CPUs, load avg at end {os.getloadavg()[0]:.1f}"
+    )
     print(
         f"{'corpus':<12} {'program':<28} {'instances':>10} {'tokens':>10} {'seconds':>8} {'inst/s':>9} "
         f"{'tokens/s':>10} {'x peer':>7} {'peak RSS':>9}"

@@ -77,8 +77,14 @@ def worker(model: str, side: str, out: Path) -> None:
         built = AutoModelForCausalLM.from_config(hf_config(get_spec(model)))
     took = time.perf_counter() - t0
     held, whole = local_numel(built)
-    record = {"rank": rank, "peak_mib": rss_kib("VmHWM") / 1024, "before_mib": before / 1024,
-              "build_s": took, "held": held, "whole": whole}  # fmt: skip
+    record = {
+        "rank": rank,
+        "peak_mib": rss_kib("VmHWM") / 1024,
+        "before_mib": before / 1024,
+        "build_s": took,
+        "held": held,
+        "whole": whole,
+    }
     (out / f"{side}-{rank}.json").write_text(json.dumps(record))
 
 
@@ -92,8 +98,16 @@ def run_side(model: str, ranks: int, side: str, work: Path) -> list[dict]:
         env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         cmd = [sys.executable, *worker]
     else:
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
-               str(port), *worker]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "deepspeed.launcher.runner",
+            "--num_gpus",
+            str(ranks),
+            "--master_port",
+            str(port),
+            *worker,
+        ]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
     if res.returncode != 0:
         raise SystemExit(f"{model} {side} on {ranks} rank(s) failed ({res.returncode}): {res.stderr[-2000:]}")
@@ -110,8 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.worker[0], args.worker[1], Path(args.worker[2]))
         return 0
-    print(f"{'model':<11} {'ranks':>5} {'side':<5} {'peak RSS/rank (MiB)':>20} {'before':>8} "
-          f"{'build s':>8} {'params held/rank':>17}")  # fmt: skip
+    print(
+        f"{'model':<11} {'ranks':>5} {'side':<5} {'peak RSS/rank (MiB)':>20} {'before':>8} "
+        f"{'build s':>8} {'params held/rank':>17}"
+    )
     for item in args.models.split(","):
         model, ranks = item.split(":")
         for side in args.sides.split(","):
@@ -123,8 +139,9 @@ def main(argv: list[str] | None = None) -> int:
             before = max(r["before_mib"] for r in recs)
             took = max(r["build_s"] for r in recs)
             held = max(r["held"] for r in recs)
-            print(f"{model:<11} {ranks:>5} {side:<5} {peak:>20,.0f} {before:>8,.0f} {took:>8.1f} "
-                  f"{held:>17,}", flush=True)  # fmt: skip
+            print(
+                f"{model:<11} {ranks:>5} {side:<5} {peak:>20,.0f} {before:>8,.0f} {took:>8.1f} {held:>17,}", flush=True
+            )
     return 0
 
 

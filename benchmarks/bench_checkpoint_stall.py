@@ -42,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=4)
     args = p.parse_args(argv)
     if args.steps <= args.every:
-        raise SystemExit(f"error: --steps {args.steps} must exceed --every {args.every} (the last save is "
-                         "left out)")  # fmt: skip
+        raise SystemExit(f"error: --steps {args.steps} must exceed --every {args.every} (the last save is left out)")
 
     from benchmarks.bench_train import build_data
     from common.net import free_port
@@ -58,14 +57,39 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
         shutil.rmtree(ckpt, ignore_errors=True)
         port = free_port()
-        start = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.ranks),
-                 "--master_port", str(port)] if args.ranks > 1 else [sys.executable]  # fmt: skip
-        cmd = [*start, "train.py", "--config", "smoke", f"run.dir={run_dir}",
-               f"checkpoint.dir={ckpt}", f"model.name={args.model}", f"data.train={data['bert']}",
-               f"data.eval={data['bert']}", f"data.vocab={data['vocab']}", f"train.steps={args.steps}",
-               f"train.global_batch={args.global_batch}", f"train.micro_batch={args.micro_batch}",
-               "train.eval_every=0", "train.eval_samples=16", f"checkpoint.every={args.every}",
-               f"checkpoint.async_save={flag}", f"checkpoint.keep={args.steps}"]  # fmt: skip
+        start = (
+            [
+                sys.executable,
+                "-m",
+                "deepspeed.launcher.runner",
+                "--num_gpus",
+                str(args.ranks),
+                "--master_port",
+                str(port),
+            ]
+            if args.ranks > 1
+            else [sys.executable]
+        )
+        cmd = [
+            *start,
+            "train.py",
+            "--config",
+            "smoke",
+            f"run.dir={run_dir}",
+            f"checkpoint.dir={ckpt}",
+            f"model.name={args.model}",
+            f"data.train={data['bert']}",
+            f"data.eval={data['bert']}",
+            f"data.vocab={data['vocab']}",
+            f"train.steps={args.steps}",
+            f"train.global_batch={args.global_batch}",
+            f"train.micro_batch={args.micro_batch}",
+            "train.eval_every=0",
+            "train.eval_samples=16",
+            f"checkpoint.every={args.every}",
+            f"checkpoint.async_save={flag}",
+            f"checkpoint.keep={args.steps}",
+        ]
         env = {**os.environ, "MASTER_PORT": str(port)}
         res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
         if res.returncode != 0:
@@ -82,14 +106,19 @@ def main(argv: list[str] | None = None) -> int:
             "write_s": statistics.median(e["write_s"] for e in saves) if flag == "true" else None,
             "checkpoint_mb": size / 1e6,
         }
-    print(f"{args.model}, {args.ranks} CPU rank(s), a save every {args.every} steps; medians of the saves "
-          "before the last")  # fmt: skip
-    print(f"{'side':34} {'saves':>5} {'stall (s)':>10} {'written in (s)':>15} {'checkpoint (MB)':>16} "
-          f"{'all stalls (s)':>15} {'sequences/s':>12}")  # fmt: skip
+    print(
+        f"{args.model}, {args.ranks} CPU rank(s), a save every {args.every} steps; medians of the saves before the last"
+    )
+    print(
+        f"{'side':34} {'saves':>5} {'stall (s)':>10} {'written in (s)':>15} {'checkpoint (MB)':>16} "
+        f"{'all stalls (s)':>15} {'sequences/s':>12}"
+    )
     for side, r in rows.items():
         written = "" if r["write_s"] is None else f"{r['write_s']:.3f}"
-        print(f"{side:34} {r['saves']:>5} {r['stall_s']:>10.3f} {written:>15} {r['checkpoint_mb']:>16.1f} "
-              f"{r['stall_total_s']:>15.3f} {r['sequences_per_s']:>12.2f}")  # fmt: skip
+        print(
+            f"{side:34} {r['saves']:>5} {r['stall_s']:>10.3f} {written:>15} {r['checkpoint_mb']:>16.1f} "
+            f"{r['stall_total_s']:>15.3f} {r['sequences_per_s']:>12.2f}"
+        )
     sync, ours = rows["sync (DeepSpeed save_checkpoint)"], rows["async (ours)"]
     print(f"stall ratio async / sync: {ours['stall_s'] / sync['stall_s']:.2f}")
     print(json.dumps(rows))

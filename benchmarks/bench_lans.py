@@ -74,8 +74,9 @@ def bert_params(size: str) -> list[torch.nn.Parameter]:
     torch.manual_seed(0)
     config = BertConfig()
     if size == "tiny":
-        config = BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                            intermediate_size=128)  # fmt: skip
+        config = BertConfig(
+            vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128
+        )
     model = BertForPreTraining(config)
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:

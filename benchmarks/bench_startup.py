@@ -35,8 +35,7 @@ from common.net import free_port  # noqa: E402
 
 
 def launcher(ranks: int, port: int) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
-            str(port)]  # fmt: skip
+    return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(port)]
 
 
 def build_data(work: Path) -> dict[str, Path]:
@@ -81,11 +80,21 @@ def main(argv: list[str] | None = None) -> int:
         for side in ("ours", "floor") if i % 2 == 0 else ("floor", "ours"):
             if side == "ours":
                 run_dir = args.work / f"run{i}"
-                cmd = [*launcher(args.ranks, free_port()), "train.py", "--config", "smoke",
-                       f"run.dir={run_dir}", f"data.train={data['train']}", "data.eval=null",
-                       f"data.vocab={data['vocab']}", "train.steps=1", "logging.warmup_steps=0",
-                       "checkpoint.every=0", "checkpoint.resume=never",
-                       "deepspeed.precision=fp32"]  # fmt: skip
+                cmd = [
+                    *launcher(args.ranks, free_port()),
+                    "train.py",
+                    "--config",
+                    "smoke",
+                    f"run.dir={run_dir}",
+                    f"data.train={data['train']}",
+                    "data.eval=null",
+                    f"data.vocab={data['vocab']}",
+                    "train.steps=1",
+                    "logging.warmup_steps=0",
+                    "checkpoint.every=0",
+                    "checkpoint.resume=never",
+                    "deepspeed.precision=fp32",
+                ]
                 subprocess.run(["rm", "-rf", str(run_dir)], check=True)
                 wall, _ = run_once(cmd, env)
                 first = json.loads((run_dir / "summary.json").read_text())["startup_s"]
@@ -101,8 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmedians of {args.repeats} ({'interleaved'}):")
     print("| | ours (train.py) | floor (bare DeepSpeed) | ratio |\n|---|---|---|---|")
     for key, label in (("wall", "launch -> exit"), ("first", "process -> first step")):
-        print(f"| {label} | {med['ours'][key]:.1f} s | {med['floor'][key]:.1f} s | "
-              f"{med['ours'][key] / med['floor'][key]:.2f}x |")  # fmt: skip
+        print(
+            f"| {label} | {med['ours'][key]:.1f} s | {med['floor'][key]:.1f} s | "
+            f"{med['ours'][key] / med['floor'][key]:.2f}x |"
+        )
     return 0
 
 

@@ -36,8 +36,23 @@ sys.path.insert(0, str(REPO))
 
 from data.sample import sample_dump_path  # noqa: E402
 
-RESIDUE = ("{{", "}}", "[[", "]]", "{|", "|}", "<ref", "</", "&nbsp;", "&amp;", "'''", "[http", "File:",
-           "Category:", "thumb|")  # fmt: skip
+RESIDUE = (
+    "{{",
+    "}}",
+    "[[",
+    "]]",
+    "{|",
+    "|}",
+    "<ref",
+    "</",
+    "&nbsp;",
+    "&amp;",
+    "'''",
+    "[http",
+    "File:",
+    "Category:",
+    "thumb|",
+)
 
 OURS = """
 import json, sys

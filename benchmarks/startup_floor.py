@@ -35,11 +35,16 @@ def main() -> None:
         no_shm_all_reduce()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=8000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                     intermediate_size=512)  # fmt: skip
+    cfg = BertConfig(
+        vocab_size=8000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=512
+    )
     model = BertForPreTraining(cfg)
-    ds = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
-          "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}  # fmt: skip
+    ds = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 2},
+        "zero_allow_untested_optimizer": True,
+    }
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds)
     ids = torch.randint(0, 8000, (8, 128))

@@ -159,9 +159,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", choices=("wordpiece", "bpe"), default="wordpiece", help="default: wordpiece")
     case = p.add_mutually_exclusive_group()
     case.add_argument(
-        "--lowercase", dest="lowercase", action="store_true", default=None,
+        "--lowercase",
+        dest="lowercase",
+        action="store_true",
+        default=None,
         help="lowercase and strip accents (BERT uncased; the wordpiece default)",
-    )  # fmt: skip
+    )
     case.add_argument("--cased", dest="lowercase", action="store_false", help="keep case and accents")
     p.add_argument("--min-frequency", type=int, default=2, help="minimum pair count for a merge (default 2)")
 

@@ -21,14 +21,35 @@ from data.wiki import SHARD_PATTERN, extract_dump, iter_pages, process_article
 from tests.conftest import REPO, WIKI_FIXTURE_SHARDS, run_env
 
 # Markup that must never reach the text.
-RESIDUE = ("{{", "}}", "[[", "]]", "|}", "{|", "<ref", "</", "&nbsp;", "&amp;", "'''", "[http", "File:",
-           "Category:", "thumb|")  # fmt: skip
+RESIDUE = (
+    "{{",
+    "}}",
+    "[[",
+    "]]",
+    "|}",
+    "{|",
+    "<ref",
+    "</",
+    "&nbsp;",
+    "&amp;",
+    "'''",
+    "[http",
+    "File:",
+    "Category:",
+    "thumb|",
+)
 
 # The sample's disambiguation pages: five "(disambiguation)" titles and three tagged with a template.
 SAMPLE_DISAMBIGUATION = {
-    "Alien", "Austin (disambiguation)", "Ada", "Aberdeen (disambiguation)", "Argument (disambiguation)",
-    "Animal (disambiguation)", "Asia Minor (disambiguation)", "Aa River",
-}  # fmt: skip
+    "Alien",
+    "Austin (disambiguation)",
+    "Ada",
+    "Aberdeen (disambiguation)",
+    "Argument (disambiguation)",
+    "Animal (disambiguation)",
+    "Asia Minor (disambiguation)",
+    "Aa River",
+}
 
 MW_NS = "http://www.mediawiki.org/xml/export-0.10/"
 
