@@ -258,9 +258,7 @@ class _Reader:
             sel = inverse == j
             out[sel] = buf[row[sel] - k * self.order.unit]
         # this read's units stay for the next read (a unit may span micro-batches); older ones go
-        held = sum(len(v) for v in keep.values()) + sum(
-            len(v) for k, v in self.units.items() if k not in keep
-        )
+        held = sum(len(v) for v in keep.values()) + sum(len(v) for k, v in self.units.items() if k not in keep)
         self.peak_buffered = max(self.peak_buffered, held)
         self.units = keep
         self.stats.rows_used += len(positions)
@@ -297,9 +295,7 @@ def _unpack(kind: str, packed: torch.Tensor, widths: list[int]) -> dict[str, tor
 class _Schedule:
     """The position arithmetic shared by the loader (bookkeeping) and its workers (what to read)."""
 
-    def __init__(
-        self, n: int, micro_batch: int, grad_accum: int, dp_rank: int, dp_world: int, drop_last: bool
-    ) -> None:
+    def __init__(self, n: int, micro_batch: int, grad_accum: int, dp_rank: int, dp_world: int, drop_last: bool) -> None:
         self.n, self.mb, self.ga, self.rank, self.world, self.drop_last = (
             n,
             micro_batch,
@@ -331,9 +327,7 @@ class _Schedule:
             yield epoch, self.positions(pos, micro)
             epoch, pos, micro = self.advance(epoch, pos, micro)
 
-    def chunks(
-        self, epoch: int, pos: int, micro: int, per_chunk: int
-    ) -> Iterator[list[tuple[int, np.ndarray]]]:
+    def chunks(self, epoch: int, pos: int, micro: int, per_chunk: int) -> Iterator[list[tuple[int, np.ndarray]]]:
         """Groups of ``per_chunk`` consecutive micro-batches (a worker reads and ships one group at a
         time)."""
         it = self.iterate(epoch, pos, micro)
@@ -404,9 +398,7 @@ class PretrainingLoader:
         prefetch_factor: int = 4,
         require_manifest: bool = True,
     ) -> None:
-        _check_ranks(
-            dp_rank, dp_world, micro_batch=micro_batch, grad_accum=grad_accum, unit_rows=unit_rows or 1
-        )
+        _check_ranks(dp_rank, dp_world, micro_batch=micro_batch, grad_accum=grad_accum, unit_rows=unit_rows or 1)
         self.kind = kind
         self.shards = _open_shards(path, kind, expect, require_manifest, (dp_rank, dp_world))
         self.files, self.counts, self._attrs = self.shards.files, self.shards.counts, self.shards.attrs
@@ -583,9 +575,7 @@ class PretrainingLoader:
                     f"loader has {mine!r}; the sample order would differ"
                 )
         if [list(x) for x in state.get("shards", [])] != self._fingerprint():
-            raise UserError(
-                "loader state: the shard files or their sample counts differ from the checkpoint's"
-            )
+            raise UserError("loader state: the shard files or their sample counts differ from the checkpoint's")
         micro = int(state["micro_in_step"])
         same_layout = (state["micro_batch"], state["grad_accum"], state["dp_world"]) == (
             self.micro_batch,
@@ -605,8 +595,7 @@ class PretrainingLoader:
         pos = int(state["samples_in_epoch"])
         epoch = int(state["epoch"])
         if pos and (
-            (self.drop_last and pos + self.schedule.G > self.order.num_samples)
-            or pos >= self.order.num_samples
+            (self.drop_last and pos + self.schedule.G > self.order.num_samples) or pos >= self.order.num_samples
         ):
             epoch, pos = epoch + 1, 0
         self.epoch, self.pos, self.micro = epoch, pos, micro
@@ -657,8 +646,7 @@ class EvalSet:
         self._widths = _widths(kind, self._attrs)
         if n > sum(self.counts):
             raise UserError(
-                f"{self.shards.where}: {sum(self.counts)} samples, fewer than the {n} evaluation samples "
-                "asked for"
+                f"{self.shards.where}: {sum(self.counts)} samples, fewer than the {n} evaluation samples asked for"
             )
         self.n, self.micro_batch, self.dp_rank, self.dp_world = n, micro_batch, dp_rank, dp_world
         self.start, self.stop = dp_rank * n // dp_world, (dp_rank + 1) * n // dp_world

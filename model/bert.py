@@ -146,9 +146,7 @@ def save_hf_tokenizer(vocab: Path, out: Path, spec: BertSpec, lowercase: bool) -
 
     words = check_bert_vocab(vocab)  # one line naming the file when it is not a BERT vocab.txt
     if len(words) > spec.padded_vocab:
-        raise UserError(
-            f"{vocab}: {len(words)} tokens do not fit {spec.name}'s {spec.padded_vocab} embedding rows"
-        )
+        raise UserError(f"{vocab}: {len(words)} tokens do not fit {spec.name}'s {spec.padded_vocab} embedding rows")
     tok = BertTokenizerFast(
         tokenizer_object=bert_tokenizer(vocab, lowercase),
         do_lower_case=lowercase,

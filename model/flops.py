@@ -34,9 +34,7 @@ def _layer_and_head_params(spec: ModelSpec) -> tuple[int, int, int]:
     layers = pred_head = seq_head = 0
     for name, p in model.named_parameters():  # tied decoder weight appears once, under the embedding name
         n = p.numel()
-        if name.endswith(
-            ("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight")
-        ):
+        if name.endswith(("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight")):
             continue
         if name.endswith("embed_in.weight"):
             continue

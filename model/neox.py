@@ -67,14 +67,10 @@ def save_hf_tokenizer(tokenizer: Path, out: Path, spec: NeoxSpec, eod_id: int | 
 
     tok, eod, eod_name = load_tokenizer(tokenizer)  # one line naming the file when it is unusable
     if eod_id is not None and eod != int(eod_id):
-        raise UserError(
-            f"{tokenizer}: end-of-document token {eod_name} has id {eod} but the shards used {eod_id}"
-        )
+        raise UserError(f"{tokenizer}: end-of-document token {eod_name} has id {eod} but the shards used {eod_id}")
     size = tok.get_vocab_size()
     if size > spec.padded_vocab:
-        raise UserError(
-            f"{tokenizer}: {size} tokens do not fit {spec.name}'s {spec.padded_vocab} embedding rows"
-        )
+        raise UserError(f"{tokenizer}: {size} tokens do not fit {spec.name}'s {spec.padded_vocab} embedding rows")
     pad = "<|padding|>" if tok.token_to_id("<|padding|>") is not None else None
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -77,9 +77,23 @@ def test_every_benchmark_is_run_here() -> None:
 
 @pytest.mark.slow
 def test_bench_train(bench_data: dict[str, Path]) -> None:
-    out = run_bench("bench_train.py", "--work", str(bench_data["work"]), "--models", "bert-debug",
-                    "--steps", "2", "--warmup", "1", "--repeats", "1", "--micro-batch", "2",
-                    "--global-batch", "4")  # fmt: skip
+    out = run_bench(
+        "bench_train.py",
+        "--work",
+        str(bench_data["work"]),
+        "--models",
+        "bert-debug",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--micro-batch",
+        "2",
+        "--global-batch",
+        "4",
+    )
     (row,) = figures(
         rf"^\| bert-debug \| 128 \| 2 x 2 \| {NUM} \(.*?\) \| {NUM} \(.*?\) \| {NUM}x \| {NUM} \(.*?\) \| "
         rf"{NUM} \(.*?\) \| {NUM}x \|",
@@ -93,10 +107,23 @@ def test_bench_train(bench_data: dict[str, Path]) -> None:
 @pytest.mark.slow
 def test_bench_train_profile(bench_data: dict[str, Path]) -> None:
     run_dir = bench_data["work"] / "runs" / "profile"
-    out = run_bench("bench_train_profile.py", "--top", "5", "--", "model.name=bert-debug",
-                    f"data.train={bench_data['bert']}", f"data.vocab={bench_data['vocab']}", "data.eval=null",
-                    "train.steps=3", "train.global_batch=4", "train.micro_batch=2", "logging.warmup_steps=1",
-                    f"run.dir={run_dir}", "checkpoint.every=0", "checkpoint.resume=never")  # fmt: skip
+    out = run_bench(
+        "bench_train_profile.py",
+        "--top",
+        "5",
+        "--",
+        "model.name=bert-debug",
+        f"data.train={bench_data['bert']}",
+        f"data.vocab={bench_data['vocab']}",
+        "data.eval=null",
+        "train.steps=3",
+        "train.global_batch=4",
+        "train.micro_batch=2",
+        "logging.warmup_steps=1",
+        f"run.dir={run_dir}",
+        "checkpoint.every=0",
+        "checkpoint.resume=never",
+    )
     assert "bert-debug: 2 profiled optimizer steps" in out
     for phase in (
         "train_step \\(total\\)",
@@ -111,9 +138,23 @@ def test_bench_train_profile(bench_data: dict[str, Path]) -> None:
 
 @pytest.mark.slow
 def test_bench_checkpoint_stall(bench_data: dict[str, Path]) -> None:
-    out = run_bench("bench_checkpoint_stall.py", "--work", str(bench_data["work"]), "--model", "bert-debug",
-                    "--steps", "4", "--every", "2", "--ranks", "1", "--global-batch", "4",
-                    "--micro-batch", "2")  # fmt: skip
+    out = run_bench(
+        "bench_checkpoint_stall.py",
+        "--work",
+        str(bench_data["work"]),
+        "--model",
+        "bert-debug",
+        "--steps",
+        "4",
+        "--every",
+        "2",
+        "--ranks",
+        "1",
+        "--global-batch",
+        "4",
+        "--micro-batch",
+        "2",
+    )
     for side in (r"sync \(DeepSpeed save_checkpoint\)", r"async \(ours\)"):
         ((saves, stall, *_),) = figures(rf"^{side} +{NUM} +{NUM} ", out)
         assert saves == 1 and stall > 0
@@ -123,8 +164,7 @@ def test_bench_checkpoint_stall(bench_data: dict[str, Path]) -> None:
 
 @pytest.mark.slow
 def test_bench_startup(bench_data: dict[str, Path]) -> None:
-    out = run_bench("bench_startup.py", "--work", str(bench_data["work"]), "--repeats", "1", "--ranks", "1",
-                    "--no-shm")  # fmt: skip
+    out = run_bench("bench_startup.py", "--work", str(bench_data["work"]), "--repeats", "1", "--ranks", "1", "--no-shm")
     for what in ("launch -> exit", "process -> first step"):
         ((ours, floor, ratio),) = figures(rf"^\| {what} \| {NUM} s \| {NUM} s \| {NUM}x \|$", out)
         assert ours > 0 and floor > 0 and ratio > 0  # floor: startup_floor.py
@@ -140,8 +180,19 @@ def test_bench_comm() -> None:
 
 @pytest.mark.slow
 def test_bench_lans() -> None:
-    out = run_bench("bench_lans.py", "--params", "tiny", "--steps", "2", "--warmup", "1", "--zero-model",
-                    "mixed", "--zero-steps", "1")  # fmt: skip
+    out = run_bench(
+        "bench_lans.py",
+        "--params",
+        "tiny",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--zero-model",
+        "mixed",
+        "--zero-steps",
+        "1",
+    )
     for name in ("torch AdamW", "LANS cpu", "LANS fused", "LANS foreach", "naive per-tensor LANS"):
         ((median, *_),) = figures(rf"^{name} .*? {NUM} +{NUM} +{NUM} +{NUM}$", out)
         assert median > 0
@@ -162,8 +213,9 @@ def test_bench_build_memory() -> None:
 
 @pytest.mark.slow
 def test_bench_loader() -> None:
-    out = run_bench("bench_loader.py", "--tiny", "--world-sizes", "2", "--steps", "1", "--seconds", "0.5",
-                    "--startup-shards", "8")  # fmt: skip
+    out = run_bench(
+        "bench_loader.py", "--tiny", "--world-sizes", "2", "--steps", "1", "--seconds", "0.5", "--startup-shards", "8"
+    )
     ((ranks, accum, worst, mean, per_s, startup, rss),) = figures(
         rf"^ +{NUM} +{NUM} ours +{NUM} +{NUM} +{NUM} +{NUM} +{NUM} ", out
     )
@@ -174,8 +226,16 @@ def test_bench_loader() -> None:
 
 @pytest.mark.slow
 def test_bench_bert_instances(bench_data: dict[str, Path]) -> None:
-    out = run_bench("bench_bert_instances.py", "--copies", "1", "--dupe-factor", "1", "--skip-peer",
-                    "--vocab", str(bench_data["vocab"]))  # fmt: skip
+    out = run_bench(
+        "bench_bert_instances.py",
+        "--copies",
+        "1",
+        "--dupe-factor",
+        "1",
+        "--skip-peer",
+        "--vocab",
+        str(bench_data["vocab"]),
+    )
     rows = figures(rf"^1 copy +data bert --workers [12] +{NUM} +{NUM} +{NUM} +{NUM} +{NUM} ", out, count=2)
     assert all(inst > 0 and tokens > 0 and per_s > 0 for inst, tokens, _, per_s, _ in rows)
     assert rows[0][:2] == rows[1][:2]  # the same instances with 1 and 2 workers
@@ -183,8 +243,9 @@ def test_bench_bert_instances(bench_data: dict[str, Path]) -> None:
 
 @pytest.mark.slow
 def test_bench_wiki(tmp_path: Path) -> None:
-    out = run_bench("bench_wiki.py", "--workers", "1", "--repeat", "1", "--rss-repeats", "1", "1",
-                    "--workdir", str(tmp_path))  # fmt: skip
+    out = run_bench(
+        "bench_wiki.py", "--workers", "1", "--repeat", "1", "--rss-repeats", "1", "1", "--workdir", str(tmp_path)
+    )
     ((workers, wall, cpu, articles, *_),) = figures(
         rf"^\| ours \(data.wiki\) \| {NUM} \| {NUM} \| {NUM} \| {NUM} \|", out
     )

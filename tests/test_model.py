@@ -168,9 +168,7 @@ def test_neox_loss_equals_gpt_neox_for_causal_lm():
     ref_logits = reference(input_ids=ids[:, :-1]).logits
     ours_logits = ours.hf(input_ids=ids[:, :-1]).logits
     torch.testing.assert_close(ours_logits, ref_logits, rtol=1e-5, atol=1e-5)
-    full = torch.nn.functional.cross_entropy(
-        ref_logits.reshape(-1, ref_logits.size(-1)), ids[:, 1:].reshape(-1)
-    )
+    full = torch.nn.functional.cross_entropy(ref_logits.reshape(-1, ref_logits.size(-1)), ids[:, 1:].reshape(-1))
     torch.testing.assert_close(ours(input_ids=ids)["loss"], full, rtol=1e-5, atol=1e-6)
     assert not torch.isclose(ref.loss, full)  # the packed convention keeps the window's last target
 
@@ -210,9 +208,7 @@ def test_flops_per_token_convention():
     # token
     large = get_spec("bert-large")
     assert training_flops_per_token(large, 512, 80) > training_flops_per_token(large, 128, 20)
-    assert (
-        training_flops_per_token(large, 128, 20) < 6 * count_parameters(large)["total"] + 12 * 24 * 1024 * 128
-    )
+    assert training_flops_per_token(large, 128, 20) < 6 * count_parameters(large)["total"] + 12 * 24 * 1024 * 128
 
 
 # ----------------------------------------------------------------------------- one record per model family
@@ -257,8 +253,14 @@ def test_flops_equal_the_family_head_rule(name):
     hf = build_model(spec, device="meta").hf
     layers = pred = seq = 0
     for n, p in hf.named_parameters():
-        if n.endswith(("embeddings.word_embeddings.weight", "position_embeddings.weight",
-                       "token_type_embeddings.weight", "embed_in.weight")):  # fmt: skip
+        if n.endswith(
+            (
+                "embeddings.word_embeddings.weight",
+                "position_embeddings.weight",
+                "token_type_embeddings.weight",
+                "embed_in.weight",
+            )
+        ):
             continue  # lookups, not matmuls
         if n.startswith("cls.predictions.") or n.startswith("embed_out."):
             pred += p.numel()
