@@ -31,17 +31,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(cfg: Config) -> int:
-    from common.cluster import node_count
     from model.registry import family_of, get_spec
     from training import collectives
     from training import engine as ds_engine
-    from training.build import build_engine, check_run_dir, model_spec, open_data, run_identity, seed_everything
-    from training.checkpointer import Checkpointer, EventLog
-    from training.lans import attach_zero
-    from training.logbook import Logbook
+    from training.build import build_engine, check_run_dir, model_spec, open_data
     from training.resume import check_shared, find_resume
-    from training.trainer import Trainer, exit_code, next_attempt
-    from training.watch import DataWatchdog
+    from training.trainer import exit_code
 
     ds_engine.start(cfg)  # precision and backend checks, the device, threads, determinism, the process group
     rank, world = collectives.rank(), collectives.world_size()
@@ -67,6 +62,34 @@ def run(cfg: Config) -> int:
     ds_config = ds_engine.deepspeed_config(cfg, grad_accum, str(run_dir))
     ds_config["checkpoint"]["load_universal"] = bool(point and point.universal)
     engine = build_engine(cfg.model, cfg.optimizer, cfg.schedule, cfg.train, spec, ds_config, rank)
+    trainer, facts = assemble(cfg, engine, data, spec, family, grad_accum, ckpt_dir)
+    try:
+        if point is not None:
+            trainer.checkpointer.restore(point)
+            trainer.load_client_state(point.saved)
+        elif cfg.train.init_from:
+            trainer.checkpointer.initialise_from(Path(cfg.train.init_from))
+        announce(cfg, facts, ds_config, trainer, point)
+        perf = trainer.train()
+        report(facts, trainer, perf)
+    finally:
+        trainer.close()
+    collectives.barrier()
+    return exit_code(perf)
+
+
+def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir: Path):
+    """The trainer of this start, with its checkpointer, logbook and data watchdog, and the run's facts."""
+    from common.cluster import node_count
+    from training import collectives
+    from training.build import run_identity, seed_everything
+    from training.checkpointer import Checkpointer, EventLog
+    from training.lans import attach_zero
+    from training.logbook import Logbook
+    from training.trainer import Trainer, next_attempt
+    from training.watch import DataWatchdog
+
+    rank, world, run_dir = collectives.rank(), collectives.world_size(), Path(cfg.run.dir)
     resolved = cfg.to_dict()
     events_to = EventLog(run_dir, next_attempt(run_dir, rank), node_count())
     checkpointer = Checkpointer(
@@ -95,19 +118,7 @@ def run(cfg: Config) -> int:
         log_every=cfg.logging.every,
         data_watchdog=DataWatchdog(cfg.deepspeed.timeout_s, cfg.data.num_workers, run_dir),
     )
-    try:
-        if point is not None:
-            checkpointer.restore(point)
-            trainer.load_client_state(point.saved)
-        elif cfg.train.init_from:
-            checkpointer.initialise_from(Path(cfg.train.init_from))
-        announce(cfg, facts, ds_config, trainer, point)
-        perf = trainer.train()
-        report(facts, trainer, perf)
-    finally:
-        trainer.close()
-    collectives.barrier()
-    return exit_code(perf)
+    return trainer, facts
 
 
 def run_facts(cfg: Config, spec, family, world: int, grad_accum: int, engine, events_to):
