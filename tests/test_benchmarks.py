@@ -253,3 +253,14 @@ def test_bench_wiki(tmp_path: Path) -> None:
     assert len(figures(rf"^  sample x +1: +{NUM} MB bz2, +{NUM} s, peak RSS {NUM} MiB$", out, 2)) == 2
     ((seconds, mb_s, residue),) = figures(rf"^\| ours clean_wikitext \| {NUM} \| {NUM} \| {NUM} \|$", out)
     assert mb_s > 0 and residue == 0
+
+
+@pytest.mark.slow
+def test_bench_neox_loss() -> None:
+    out = run_bench("bench_neox_loss.py", "--tiny")
+    for side in ("ours", "peer"):
+        ((model_mib, added_mib, step_s, *_),) = figures(rf"^{side} +{NUM} +{NUM} +{NUM} +{NUM} +{NUM} +{NUM}$", out)
+        assert model_mib > 0 and added_mib > 0 and step_s > 0
+    for key in ("memory", "time"):
+        ((ratio,),) = figures(rf"^ours/peer {key}: {NUM} \(", out)
+        assert ratio > 0
