@@ -277,9 +277,28 @@ def _pack(fields: list[np.ndarray]) -> np.ndarray:
     return np.concatenate([a.reshape(len(a), -1) for a in fields], axis=1).astype(np.int32, copy=False)
 
 
-def _unpack(kind: str, packed: torch.Tensor, widths: list[int]) -> dict[str, torch.Tensor]:
+def unpadding_index(attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Where the real tokens of a padded ``[B, S]`` batch are, for a model that computes only them.
+
+    ``unpad_indices``: flat indices (row-major, into ``B * S``) of the nonzero mask entries, int64 [T];
+    ``cu_seqlens``: int32 [B + 1], sequence b's real tokens are ``[cu_seqlens[b], cu_seqlens[b + 1])`` of
+    the packed layout; ``max_seqlen``: 0-d int64, the longest sequence. Built on the host by the loader, so
+    the device never waits on a ``nonzero`` or ``.item()``; ``model.unpad`` computes the same when absent.
+    """
+    real = attention_mask != 0
+    lengths = real.sum(1)
+    cu_seqlens = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=attention_mask.device)
+    torch.cumsum(lengths, 0, out=cu_seqlens[1:])
+    return {
+        "unpad_indices": real.reshape(-1).nonzero().reshape(-1),
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": lengths.max() if len(lengths) else lengths.new_zeros(()),
+    }
+
+
+def _unpack(kind: str, packed: torch.Tensor, widths: list[int], unpad: bool = False) -> dict[str, torch.Tensor]:
     """Packed int32 rows -> the micro-batch dict: long tensors under the schema's batch keys
-    (BERT adds float ``masked_lm_weights``)."""
+    (BERT adds float ``masked_lm_weights``, and with ``unpad`` the keys of :func:`unpadding_index`)."""
     schema = h5format.SCHEMAS[kind]
     parts = torch.split(packed.long(), widths, dim=1)
     batch = {
@@ -289,6 +308,8 @@ def _unpack(kind: str, packed: torch.Tensor, widths: list[int]) -> dict[str, tor
     if "masked_lm_positions" in batch:
         # NVIDIA's reader: predictions run up to the first zero position (position 0 is always [CLS])
         batch["masked_lm_weights"] = torch.cumprod((batch["masked_lm_positions"] != 0).float(), dim=1)
+    if unpad and "attention_mask" in batch:
+        batch.update(unpadding_index(batch["attention_mask"]))
     return batch
 
 
@@ -378,7 +399,8 @@ class PretrainingLoader:
     ``num_workers=0`` reads in the calling process; ``>= 1`` uses that many DataLoader worker processes
     that prefetch. ``unit_rows`` (rows of the unit of order; ``None``: the shards' chunk rows) defines
     the order with ``seed``, so it is part of the resume state. ``require_manifest=False`` reads shards
-    without a ``manifest.json`` (made elsewhere), opening every one of them.
+    without a ``manifest.json`` (made elsewhere), opening every one of them. ``unpad=True`` adds where the
+    real tokens are (:func:`unpadding_index`) to BERT micro-batches, for a model that computes only them.
     """
 
     def __init__(
@@ -397,12 +419,14 @@ class PretrainingLoader:
         unit_rows: int | None = None,
         prefetch_factor: int = 4,
         require_manifest: bool = True,
+        unpad: bool = False,
     ) -> None:
         _check_ranks(dp_rank, dp_world, micro_batch=micro_batch, grad_accum=grad_accum, unit_rows=unit_rows or 1)
         self.kind = kind
         self.shards = _open_shards(path, kind, expect, require_manifest, (dp_rank, dp_world))
         self.files, self.counts, self._attrs = self.shards.files, self.shards.counts, self.shards.attrs
         self._widths = _widths(kind, self._attrs)
+        self.unpad = unpad
         self.micro_batch, self.grad_accum, self.dp_rank, self.dp_world = (
             micro_batch,
             grad_accum,
@@ -501,7 +525,7 @@ class PretrainingLoader:
                     yield batch
 
     def _unpack(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
-        return _unpack(self.kind, packed, self._widths)
+        return _unpack(self.kind, packed, self._widths, self.unpad)
 
     def _consumed(self) -> None:
         e, p, m = self.schedule.advance(self.epoch, self.pos, self.micro)
@@ -614,7 +638,8 @@ class EvalSet:
     order), so they are the same at every evaluation and for every world size, and evaluating never
     moves the training loader. Rank r of W holds the contiguous samples ``[r*n//W, (r+1)*n//W)``
     (the shares differ by at most one sample) and yields them, once per ``iter()``, as ``len(self)``
-    micro-batches of at most ``micro_batch`` rows, dicts like :class:`PretrainingLoader` yields.
+    micro-batches of at most ``micro_batch`` rows, dicts like :class:`PretrainingLoader` yields (``unpad``
+    as there).
 
     Every rank yields the same number of micro-batches (ZeRO-3 needs every rank in every forward),
     but micro-batches may hold fewer rows than ``micro_batch`` and differ by one row between ranks.
@@ -638,9 +663,10 @@ class EvalSet:
         dp_world: int,
         expect: dict | None = None,
         require_manifest: bool = True,
+        unpad: bool = False,
     ) -> None:
         _check_ranks(dp_rank, dp_world, micro_batch=micro_batch, n=n)
-        self.kind = kind
+        self.kind, self.unpad = kind, unpad
         self.shards = _open_shards(path, kind, expect, require_manifest, None)
         self.files, self.counts, self._attrs = self.shards.files, self.shards.counts, self.shards.attrs
         self._widths = _widths(kind, self._attrs)
@@ -689,7 +715,8 @@ class EvalSet:
         if self._packed is None:
             self._packed = self._read()
         for rows in np.array_split(np.arange(self.num_samples), self.num_batches):
-            yield _unpack(self.kind, torch.from_numpy(self._packed[rows[0] : rows[-1] + 1]), self._widths)
+            packed = torch.from_numpy(self._packed[rows[0] : rows[-1] + 1])
+            yield _unpack(self.kind, packed, self._widths, self.unpad)
 
 
-__all__ = ["EvalSet", "PretrainingLoader", "ReadStats"]
+__all__ = ["EvalSet", "PretrainingLoader", "ReadStats", "unpadding_index"]

@@ -2,15 +2,16 @@
 
 The MLM decoder (a ``hidden x vocab`` matmul, the largest single matmul of a small BERT) runs only at the
 masked positions: hidden states are gathered at ``masked_lm_positions`` before the prediction head, as
-NVIDIA's reference does, instead of over every position as ``BertForPreTraining`` does. The weights are the
-``transformers`` ones, so a checkpoint exports to Hugging Face format unchanged.
+NVIDIA's reference does, instead of over every position as ``BertForPreTraining`` does. With ``unpad`` (the
+default) the encoder runs on the real tokens only (``model.unpad``). The weights are the ``transformers`` ones
+either way, so a checkpoint exports to Hugging Face format unchanged.
 """
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from transformers import BertConfig, BertForPreTraining, MegatronBertConfig, Meg
 from transformers.models.megatron_bert import modeling_megatron_bert as megatron
 
 from common.errors import UserError
+from model import unpad as unpadding
 from model.registry import BertSpec
 
 
@@ -81,15 +83,27 @@ def build_hf_bert(spec: BertSpec, attention: str = "sdpa") -> BertForPreTraining
     return BertForPreTraining(cast(BertConfig, config))
 
 
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Losses in FP32 from BF16/FP16 logits; a float64 model (reference runs in tests) stays float64."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
 class BertPretraining(nn.Module):
-    """MLM + NSP pre-training with the MLM head evaluated only at masked positions."""
+    """MLM + NSP pre-training with the MLM head evaluated only at masked positions.
+
+    ``unpad``: the encoder computes only the real tokens (``model.unpad``; ``attention`` then does not apply,
+    the varlen kernel is ``attention_kernel``, ``None`` for the device's default); false: ``transformers``'
+    padded forward, kept for comparison and equality tests.
+    """
 
     family = "bert"
 
-    def __init__(self, spec: BertSpec, attention: str = "sdpa") -> None:
+    def __init__(self, spec: BertSpec, attention: str = "sdpa", unpad: bool = True) -> None:
         super().__init__()
         self.spec = spec
         self.hf = build_hf_bert(spec, attention)
+        self.unpad = unpad
+        self.attention_kernel: str | None = None
 
     def forward(
         self,
@@ -100,18 +114,34 @@ class BertPretraining(nn.Module):
         masked_lm_ids: torch.Tensor,
         masked_lm_weights: torch.Tensor,
         next_sentence_labels: torch.Tensor,
+        unpad_indices: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | torch.Tensor | None = None,
         **_: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        """Returns ``loss`` (MLM mean over real predictions + NSP mean) and the pieces for metrics."""
-        out = self.hf.bert(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
-        sequence, pooled = out[0], out[1]
-        hidden = sequence.size(-1)
-        index = masked_lm_positions.unsqueeze(-1).expand(-1, -1, hidden)
-        gathered = torch.gather(sequence, 1, index)  # [B, P, H]
-        mlm_logits = self.hf.cls.predictions(gathered).float()  # [B, P, V]
-        nsp_logits = self.hf.cls.seq_relationship(pooled).float()  # [B, 2]
+        """Returns ``loss`` (MLM mean over real predictions + NSP mean) and the pieces for metrics.
 
-        weights = masked_lm_weights.float()
+        ``unpad_indices`` / ``cu_seqlens`` / ``max_seqlen``: the loader's unpadding keys (computed when absent).
+        """
+        if self.unpad:
+            pack = unpadding.packing(attention_mask, unpad_indices, cu_seqlens, max_seqlen)
+            bert: Any = self.hf.bert  # BertModel | MegatronBertModel, walked module by module
+            packed = unpadding.encode(
+                bert, self.spec.pre_layernorm, input_ids, token_type_ids, pack, self.attention_kernel
+            )  # [T, H]
+            # each sequence's first token (the pooler's input) and its masked positions, in the packed rows
+            rows = pack.rows(attention_mask, F.pad(masked_lm_positions, (1, 0)))  # [B, 1 + P]
+            gathered = packed[rows[:, 1:]]  # [B, P, H]
+            pooled = bert.pooler(packed[rows[:, :1]])
+        else:
+            out = self.hf.bert(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
+            sequence, pooled = out[0], out[1]
+            index = masked_lm_positions.unsqueeze(-1).expand(-1, -1, sequence.size(-1))
+            gathered = torch.gather(sequence, 1, index)  # [B, P, H]
+        mlm_logits = _at_least_fp32(self.hf.cls.predictions(gathered))  # [B, P, V]
+        nsp_logits = _at_least_fp32(self.hf.cls.seq_relationship(pooled))  # [B, 2]
+
+        weights = masked_lm_weights.to(mlm_logits.dtype)
         per_token = F.cross_entropy(
             mlm_logits.view(-1, mlm_logits.size(-1)), masked_lm_ids.view(-1), reduction="none"
         ).view_as(weights)

@@ -21,13 +21,21 @@ def build_model(
     device: str | torch.device = "cpu",
     attention: str = "sdpa",
     activation_checkpointing: bool = False,
+    unpad: bool = False,
 ) -> PretrainingModel:
-    """Construct the pre-training model. ``device="meta"`` builds shapes only (any size, no memory)."""
+    """Construct the pre-training model. ``device="meta"`` builds shapes only (any size, no memory).
+
+    ``unpad``: BERT computes only the real tokens of its padded batches (``model.unpad``, off by default until
+    throughput and MFU count only the computed positions); GPT-NeoX's packed windows have no padding, it ignores
+    it.
+    """
     if isinstance(spec, str):
         spec = get_spec(spec)
     with torch.device(device):
         # Family.build is declared as returning nn.Module: each family builds its own pre-training model.
         model = cast(PretrainingModel, family_of(spec).build(spec, attention))
+    if isinstance(model, BertPretraining):
+        model.unpad = unpad
     if activation_checkpointing:
         # Non-reentrant checkpointing: works with ZeRO-3 parameter gathering and with frozen inputs.
         model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -14,11 +14,17 @@ Convention (PaLM appendix B; torchtitan and llm.c use the same):
   ``max_pred`` gathered positions per sequence, so it counts ``max_pred / S`` of a token's share; the pooler
   and NSP classifier run once per sequence (1 / S).
 * Activation recomputation is not counted: these are *model* FLOPs, not hardware FLOPs.
+
+Unpadded BERT (``model.unpad``) computes only the real tokens, so :func:`training_flops_of_lengths` counts a
+batch by its sequences' real lengths n_i: ``6 * N_matmul`` per real token, attention ``12 * L * d_model * n_i``
+per real token of sequence i (``12 * L * d_model * sum(n_i**2)`` in all), the heads per sequence as above.
+With every n_i = S it equals ``B * S * training_flops_per_token``.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import cast
 
 import torch
@@ -27,6 +33,7 @@ from model.build import build_model
 from model.registry import ModelSpec, family_of
 
 
+@functools.cache
 def _layer_and_head_params(spec: ModelSpec) -> tuple[int, int, int]:
     """(weights in transformer layers + final norm, per-prediction head weights, per-sequence head
     weights)."""
@@ -57,3 +64,21 @@ def training_flops_per_token(spec: ModelSpec, seq_len: int, max_pred: int | None
     attention = 12 * spec.layers * spec.hidden * seq_len
     head = family_of(spec).head_weights_per_token(pred_head, seq_head, seq_len, max_pred)
     return 6.0 * (layers + head) + attention
+
+
+def training_flops_of_lengths(spec: ModelSpec, lengths: Iterable[int], max_pred: int | None = None) -> int:
+    """Training FLOPs of a batch whose sequences have these real lengths, as the unpadded model computes it.
+
+    Per sequence of n real tokens: ``6 * (N_matmul * n + head weights of the sequence) + 12 * L * d_model *
+    n**2``; the head weights are the family's rule (BERT: the MLM head at ``max_pred`` positions, pooler and
+    NSP once) times n, a whole number of weights.
+    """
+    layers, pred_head, seq_head = _layer_and_head_params(spec)
+    rule = family_of(spec).head_weights_per_token
+    total = 0
+    for n in lengths:
+        if n <= 0:
+            continue  # an empty row: nothing computed for it
+        head = round(rule(pred_head, seq_head, n, max_pred) * n)
+        total += 6 * (layers * n + head) + 12 * spec.layers * spec.hidden * n * n
+    return total

@@ -118,12 +118,13 @@ def _bert_batch(spec, batch=3, seq=32, max_pred=5, seed=0):
     )
 
 
+@pytest.mark.parametrize("unpad", [True, False], ids=["unpadded", "padded"])
 @pytest.mark.parametrize("pre_ln", [False, True])
-def test_sparse_mlm_loss_equals_bert_for_pretraining(pre_ln):
+def test_sparse_mlm_loss_equals_bert_for_pretraining(pre_ln, unpad):
     """Sparse-MLM loss == the dense reference loss on the same weights and inputs (fp32, rtol 1e-5)."""
     torch.manual_seed(0)
     spec = get_spec("bert-debug", vocab_size=1000, pre_layernorm=pre_ln, dropout=0.0)
-    ours = build_model(spec).eval()
+    ours = build_model(spec, unpad=unpad).eval()
     batch = _bert_batch(spec)
     out = ours(**batch)
 
@@ -147,8 +148,8 @@ def test_sparse_mlm_loss_equals_bert_for_pretraining(pre_ln):
 def test_megatron_sdpa_matches_eager_attention():
     torch.manual_seed(0)
     spec = get_spec("bert-debug", vocab_size=1000, pre_layernorm=True, dropout=0.0)
-    sdpa = build_model(spec, attention="sdpa").eval()
-    eager = build_model(spec, attention="eager").eval()
+    sdpa = build_model(spec, attention="sdpa", unpad=False).eval()  # the unpadded model has its own kernels
+    eager = build_model(spec, attention="eager", unpad=False).eval()
     eager.load_state_dict(sdpa.state_dict())
     batch = _bert_batch(spec)
     torch.testing.assert_close(sdpa(**batch)["loss"], eager(**batch)["loss"], rtol=1e-5, atol=1e-6)
@@ -173,11 +174,12 @@ def test_neox_loss_equals_gpt_neox_for_causal_lm():
     assert not torch.isclose(ref.loss, full)  # the packed convention keeps the window's last target
 
 
-def test_activation_checkpointing_gives_same_gradients():
+@pytest.mark.parametrize("unpad", [True, False], ids=["unpadded", "padded"])
+def test_activation_checkpointing_gives_same_gradients(unpad):
     torch.manual_seed(0)
     spec = get_spec("bert-debug", vocab_size=1000, dropout=0.0)
-    plain = build_model(spec)
-    ckpt = build_model(spec, activation_checkpointing=True)
+    plain = build_model(spec, unpad=unpad)
+    ckpt = build_model(spec, activation_checkpointing=True, unpad=unpad)
     ckpt.load_state_dict(plain.state_dict())
     batch = _bert_batch(spec)
     calls = {"plain": 0, "ckpt": 0}
@@ -188,8 +190,8 @@ def test_activation_checkpointing_gives_same_gradients():
 
         return hook
 
-    plain.hf.bert.encoder.layer[0].attention.register_forward_hook(counter("plain"))
-    ckpt.hf.bert.encoder.layer[0].attention.register_forward_hook(counter("ckpt"))
+    plain.hf.bert.encoder.layer[0].attention.output.register_forward_hook(counter("plain"))
+    ckpt.hf.bert.encoder.layer[0].attention.output.register_forward_hook(counter("ckpt"))
     plain(**batch)["loss"].backward()
     ckpt(**batch)["loss"].backward()
     assert ckpt.hf.is_gradient_checkpointing

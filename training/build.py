@@ -201,11 +201,13 @@ def build_engine(
     seed_everything(train.seed)  # same initial weights on every rank
     attention, ckpt = model_cfg.attention, model_cfg.activation_checkpointing
     if ds_config["zero_optimization"]["stage"] == 3:  # each rank holds only its partition
-        model = build_partitioned(spec, ds_config, attention=attention, activation_checkpointing=ckpt)
+        model = build_partitioned(
+            spec, ds_config, attention=attention, activation_checkpointing=ckpt, unpad=model_cfg.unpad
+        )
         held, whole = local_numel(model)
         log.info(f"built under zero.Init: this rank holds {held:,} of {whole:,} parameters")
     else:
-        model = build_model(spec, attention=attention, activation_checkpointing=ckpt)
+        model = build_model(spec, attention=attention, activation_checkpointing=ckpt, unpad=model_cfg.unpad)
     seed_everything(train.seed + 1000 * rank)  # rank-specific dropout streams
     optimizer = build_optimizer(
         opt.name,

@@ -1,0 +1,228 @@
+"""BERT on its real tokens only ("unpadding", as MosaicBERT and ModernBERT do), with the ``transformers`` weights.
+
+A padded micro-batch ``[B, S]`` holds ``T <= B * S`` real tokens. The unpadded forward gathers them once into
+a packed ``[T, hidden]`` tensor and runs the embeddings (and their LayerNorm), every linear, GELU, LayerNorm and
+dropout on those rows only; attention is variable-length, each sequence attending within itself
+(``cu_seqlens``). The MLM head then takes the masked positions' rows, the pooler each sequence's first row.
+
+It walks the submodules of ``transformers``' ``BertModel`` (post-LN) or ``MegatronBertModel`` (pre-LN) and
+calls each of them, so the parameters and their names are theirs (checkpoints and the Hugging Face export are
+unchanged) and module hooks (ZeRO-3's parameter gathering) still fire. Activation checkpointing follows what
+``gradient_checkpointing_enable`` set on each layer (``model.build``).
+
+Attention kernels, torch's own only:
+
+* CUDA: ``F.scaled_dot_product_attention`` on jagged nested tensors (``torch.nested``, ``layout=torch.jagged``):
+  the varlen flash (FP16/BF16) or memory-efficient (FP32) kernels, attention dropout included.
+  ``torch.nn.attention.varlen.varlen_attn`` is not used: it has no dropout, no FP32, and its signature changed
+  between releases.
+* CPU: one SDPA call per sequence on its slice of the packed rows (lengths from the host copy of
+  ``cu_seqlens``): exactly ``sum(n_i**2)`` attention work. Measured (one thread, CPU time, dropout 0.1) faster
+  than the jagged SDPA (a math fallback on CPU, several times slower) and than the padded kernel below
+  (``B * max_seqlen**2`` work plus a scatter and a gather).
+* Any other device (Gaudi...): the packed q/k/v are scattered into ``[B, max_seqlen]`` for attention alone and
+  run through one SDPA call with a key-padding mask; the linear layers still see only the real tokens.
+
+Host synchronisation: none when the batch carries the loader's ``unpad_indices`` / ``cu_seqlens`` /
+``max_seqlen`` (``data.loader.unpadding_index``). ``max_seqlen`` is used only when it is a Python int or a CPU
+tensor; one already moved to the accelerator is replaced by the padded width ``S``, an upper bound the kernels
+accept (reading it would wait for the device). The jagged tensors get both bounds (the shortest: 1) so that
+SDPA never computes them from the offsets with ``.item()``. Without the keys they are computed here (a
+``nonzero``: direct callers only).
+
+Not checked on a GPU yet (no device in the session that wrote it): the jagged kernel runs in the CPU tests
+through SDPA's math fallback only, so its CUDA kernels, their dropout and checkpointing them are unverified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from data.loader import unpadding_index
+
+UNPAD_KEYS = ("unpad_indices", "cu_seqlens", "max_seqlen")
+"""Micro-batch keys of the unpadding (``data.loader.unpadding_index``)."""
+HOST_KEYS = frozenset({"max_seqlen"})
+"""Keys a trainer should leave on the host when it moves a batch to the device (exact kernel sizes, no sync)."""
+
+KERNELS = ("jagged", "loop", "padded")
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where a padded batch's real tokens are, and how the packed layout maps back to it."""
+
+    indices: torch.Tensor
+    """[T] int64: flat (row-major) indices of the real tokens in the padded ``[B * S]`` layout."""
+    cu_seqlens: torch.Tensor
+    """[B + 1] int32: sequence b is packed rows ``[cu_seqlens[b], cu_seqlens[b + 1])``."""
+    max_seqlen: int
+    """The longest sequence (exact) or the padded width (an upper bound), on the host."""
+    batch: int
+    seq_len: int
+    """Padded width S."""
+    offsets: torch.Tensor | None = None
+    """``cu_seqlens`` as int64, made once per forward: the jagged tensors' offsets. Made inside a checkpointed
+    layer, each recomputation would get new offsets, hence another ragged size, and checkpointing would refuse
+    the recomputed tensors as different from the saved ones."""
+    lengths: tuple[int, ...] | None = None
+    """The sequences' real lengths on the host, when ``cu_seqlens`` came on the host (CPU training)."""
+
+    @property
+    def min_seqlen(self) -> int:
+        """The shortest sequence: exact from host lengths, else 1 (a lower bound: every BERT row has its [CLS]).
+        Given to the jagged tensors so that SDPA's kernel choice (which refuses empty sequences) reads no device
+        value."""
+        return min(self.lengths, default=0) if self.lengths is not None else 1
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[T] position of each real token in its padded row (the position embedding's index)."""
+        return self.indices % self.seq_len
+
+    def rows(self, attention_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Packed rows of the padded positions ``positions`` ([B, P], per-sequence indices) of each sequence.
+
+        A position that is padding maps to the real token before it (clamped to row 0): callers give real
+        positions (masked tokens, [CLS]) or ones they weigh by zero.
+        """
+        rank = torch.cumsum((attention_mask != 0).reshape(-1), 0) - 1  # packed row of each padded slot
+        starts = torch.arange(self.batch, device=positions.device) * self.seq_len
+        return rank[starts.view(-1, *([1] * (positions.dim() - 1))) + positions].clamp(min=0)
+
+
+def _host_int(value: Any) -> int | None:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() == 1:
+        return int(value)
+    return None
+
+
+def packing(
+    attention_mask: torch.Tensor,
+    unpad_indices: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | torch.Tensor | None = None,
+) -> Packing:
+    """The batch's :class:`Packing`: from the loader's keys when given, else computed from the mask."""
+    b, s = attention_mask.shape
+    if unpad_indices is None or cu_seqlens is None:
+        index = unpadding_index(attention_mask)  # nonzero: waits for the device; direct callers only
+        unpad_indices, cu_seqlens, max_seqlen = index["unpad_indices"], index["cu_seqlens"], index["max_seqlen"]
+    exact = _host_int(max_seqlen)
+    on_host = cu_seqlens.device.type == "cpu"
+    cu_seqlens = cu_seqlens.to(attention_mask.device, torch.int32)
+    return Packing(
+        indices=unpad_indices.to(attention_mask.device, torch.long),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=s if exact is None else min(exact, s),
+        batch=b,
+        seq_len=s,
+        offsets=cu_seqlens.long(),
+        lengths=tuple((cu_seqlens[1:] - cu_seqlens[:-1]).tolist()) if on_host else None,
+    )
+
+
+def nested(x: torch.Tensor, pack: Packing) -> torch.Tensor:
+    """Packed rows ``[T, ...]`` as a jagged nested tensor ``[B, j, ...]`` (a view; no copy)."""
+    offsets = pack.offsets if pack.offsets is not None else pack.cu_seqlens.long()
+    return torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=pack.min_seqlen, max_seqlen=pack.max_seqlen)
+
+
+def default_kernel(device: torch.device) -> str:
+    """``jagged`` on CUDA, ``loop`` on CPU, ``padded`` elsewhere (see the module docstring)."""
+    return {"cuda": "jagged", "cpu": "loop"}.get(device.type, "padded")
+
+
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: Packing, dropout_p: float, kernel: str | None = None
+) -> torch.Tensor:
+    """Softmax attention within each sequence of the packed ``[T, heads, head_dim]`` q/k/v; returns the same
+    shape. Scale ``head_dim ** -0.5``, bidirectional."""
+    kernel = kernel or default_kernel(q.device)
+    if kernel == "jagged":
+        nq, nk, nv = (nested(x, pack).transpose(1, 2) for x in (q, k, v))  # [B, heads, j, head_dim]
+        return F.scaled_dot_product_attention(nq, nk, nv, dropout_p=dropout_p).transpose(1, 2).values()
+    if kernel == "loop":
+        sizes = list(pack.lengths) if pack.lengths is not None else (pack.cu_seqlens.diff()).tolist()
+        outs = [
+            F.scaled_dot_product_attention(
+                a.transpose(0, 1), b.transpose(0, 1), c.transpose(0, 1), dropout_p=dropout_p
+            ).transpose(0, 1)
+            if len(a)
+            else a
+            for a, b, c in zip(q.split(sizes), k.split(sizes), v.split(sizes))
+        ]
+        return torch.cat(outs)
+    if kernel != "padded":
+        raise ValueError(f"attention kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
+    t, heads, dim = q.shape
+    b, m = pack.batch, pack.max_seqlen
+    lengths = pack.cu_seqlens[1:] - pack.cu_seqlens[:-1]
+    seq = pack.indices // pack.seq_len
+    slot = seq * m + torch.arange(t, device=q.device) - pack.cu_seqlens.long()[seq]  # row in [B * m]
+    qkv = q.new_zeros(b * m, 3, heads, dim).index_put((slot,), torch.stack((q, k, v), 1))
+    qkv = qkv.view(b, m, 3, heads, dim).permute(2, 0, 3, 1, 4)  # [3, B, heads, m, head_dim]
+    keys = (torch.arange(m, device=q.device) < lengths.unsqueeze(1)).view(b, 1, 1, m)
+    out = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], attn_mask=keys, dropout_p=dropout_p)
+    return out.transpose(1, 2).reshape(b * m, heads, dim).index_select(0, slot)
+
+
+def _attention(self_attn: Any, x: torch.Tensor, pack: Packing, kernel: str | None) -> torch.Tensor:
+    """``transformers``' (Megatron)BertSelfAttention on packed rows: its q/k/v projections, varlen SDPA."""
+    t = x.size(0)
+    heads, dim = self_attn.num_attention_heads, self_attn.attention_head_size
+    q = self_attn.query(x).view(t, heads, dim)
+    k = self_attn.key(x).view(t, heads, dim)
+    v = self_attn.value(x).view(t, heads, dim)
+    p = self_attn.dropout.p if self_attn.training else 0.0
+    return varlen_attention(q, k, v, pack, p, kernel).reshape(t, heads * dim)
+
+
+def _post_ln_layer(layer: Any, x: torch.Tensor, pack: Packing, kernel: str | None) -> torch.Tensor:
+    """BertLayer: x -> LN(x + attn(x)) -> LN(h + FFN(h)) (BertSelfOutput / BertOutput add and normalise)."""
+    h = layer.attention.output(_attention(layer.attention.self, x, pack, kernel), x)
+    return layer.output(layer.intermediate(h), h)
+
+
+def _pre_ln_layer(layer: Any, x: torch.Tensor, pack: Packing, kernel: str | None) -> torch.Tensor:
+    """MegatronBertLayer: h = x + attn(LN(x)); h + FFN(LN(h)) (the output modules add the residual)."""
+    attention = layer.attention
+    h = attention.output(_attention(attention.self, attention.ln(x), pack, kernel), x)
+    return layer.output(layer.intermediate(layer.ln(h)), h)
+
+
+def encode(
+    bert: Any,
+    pre_layernorm: bool,
+    input_ids: torch.Tensor,
+    token_type_ids: torch.Tensor,
+    pack: Packing,
+    kernel: str | None = None,
+) -> torch.Tensor:
+    """The encoder's output at the real tokens, packed ``[T, hidden]``: ``bert`` is ``BertModel`` (post-LN) or
+    ``MegatronBertModel`` (pre-LN: no embedding LayerNorm, a final one)."""
+    emb = bert.embeddings
+    x = emb.word_embeddings(input_ids.reshape(-1)[pack.indices])
+    x = x + emb.token_type_embeddings(token_type_ids.reshape(-1)[pack.indices])
+    x = x + emb.position_embeddings(pack.positions)
+    if not pre_layernorm:
+        x = emb.LayerNorm(x)
+    x = emb.dropout(x)
+    layer_fn = _pre_ln_layer if pre_layernorm else _post_ln_layer
+    for layer in bert.encoder.layer:
+        if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
+            ckpt = getattr(layer, "_gradient_checkpointing_func", partial(checkpoint, use_reentrant=False))
+            x = ckpt(layer_fn, layer, x, pack, kernel)
+        else:
+            x = layer_fn(layer, x, pack, kernel)
+    if pre_layernorm:
+        x = bert.encoder.ln(x)
+    return x
