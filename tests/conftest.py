@@ -50,8 +50,9 @@ def start_ranks(
     behaviour (signals, a rank lost) start it themselves. ``one_device``: every rank with ``LOCAL_RANK=0``, to
     share this machine's one GPU (DeepSpeed would otherwise ask for a ``cuda:1`` that does not exist).
 
-    As the launcher: when a rank fails, the others get SIGTERM and 30 s before they are killed; the exit code
-    is the first failing rank's; the output is every rank's, in rank order."""
+    As the launcher: when a rank fails, the others get SIGTERM (after 5 s: ranks that stop together, exit 3
+    after a save, end on their own) and 30 s before they are killed; the exit code is the first failure seen;
+    the output is every rank's, in rank order."""
     from common.net import free_port
 
     base = {
@@ -83,14 +84,18 @@ def start_ranks(
     ]
     for t in readers:
         t.start()
-    deadline, failed_at = time.monotonic() + timeout, None
+    deadline, failed_at, first_code, terminated = time.monotonic() + timeout, None, 0, False
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-            failed_at = time.monotonic()
+        if failed_at is None:
+            failed = [p.returncode for p in procs if p.poll() not in (None, 0)]
+            if failed:  # the exit code the launcher reports: the first failure it sees
+                failed_at, first_code = time.monotonic(), failed[0]
+        elif not terminated and time.monotonic() - failed_at > 5:  # the others, stopping on their own (exit
+            terminated = True  # 3 after a save), have had the launcher's poll interval and more
             for p in procs:
                 if p.poll() is None:
                     p.terminate()
-        if failed_at is not None and time.monotonic() - failed_at > 30:
+        if failed_at is not None and time.monotonic() - failed_at > 35:
             break
         time.sleep(0.1)
     for p in procs:
@@ -98,8 +103,7 @@ def start_ranks(
             p.kill()
     for t in readers:
         t.join(timeout=60)  # a rank's DataLoader workers hold its pipes until they notice it is gone
-    codes = [p.returncode for p in procs]
-    rc = next((c for c in codes if c != 0), 0)
+    rc = first_code or next((p.returncode for p in procs if p.returncode), 0)  # killed at the timeout: -9
     return subprocess.CompletedProcess(script, rc, "".join(o for o, _ in outs), "".join(e for _, e in outs))
 
 
