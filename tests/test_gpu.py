@@ -3,10 +3,10 @@
 Here: one-GPU runs under NCCL (bert-debug and neox-debug, ZeRO 1 and 2, BF16, LANS and AdamW; deterministic
 resume; export with logits equal to the training model's), FP32 accuracy against a float64 CPU run, and LANS
 on its intended path. Also on the tier, from tests/test_train.py (marked ``cuda`` there, run on the CPU in
-CI too): 2 ranks sharing the one GPU under gloo (``one_device``: both with ``LOCAL_RANK=0``), which exercises
-ZeRO-2 partitioning with ``overlap_comm`` on and off (the two must train the same), LANS's per-tensor
-all-reduce, the step reduction, the background save's vote, a resume, and ZeRO-3 under ``zero.Init``.
-``scripts/gpu.sh`` installs from the offline bundle and runs this tier on a GPU machine.
+CI too): 2 ranks sharing the one GPU under gloo (``conftest.start_ranks(one_device=True)``: both with
+``LOCAL_RANK=0``), which exercises ZeRO-2 partitioning with ``overlap_comm`` on and off (the two must train the
+same), LANS's per-tensor all-reduce, the step reduction, the background save's vote, a resume, and ZeRO-3
+under ``zero.Init``. ``scripts/gpu.sh`` installs from the offline bundle and runs this tier on a GPU machine.
 """
 
 from __future__ import annotations

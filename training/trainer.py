@@ -160,6 +160,7 @@ class Trainer:
         self._iter: Iterator[dict[str, torch.Tensor]] | None = None
         self.last_eval: dict[str, float] = {}
         self.last_loss: float | None = None
+        self.startup_s = 0.0  # process start to the first step (train.py sets it when the run is announced)
 
     # ------------------------------------------------------------------ state
     def progress(self) -> dict[str, Any]:
