@@ -82,17 +82,23 @@ class StopRequest:
 
 
 class DataWatchdog:
-    """Ends this rank when its next training batch does not come within ``deepspeed.timeout_s``.
+    """Ends this rank when its next training batch does not come within ``STALL_SHARE`` of
+    ``deepspeed.timeout_s``.
 
     A DataLoader worker stuck on a stalled filesystem (or, with ``data.num_workers=0``, the main thread's own
     read) would make the rank wait forever: nothing else bounds that wait, while its peers time out in their
     next collective. A daemon thread watches the wait; past the bound it prints one line naming the data
     loader and the node, records a ``failure`` event and ends the process with ``EXIT_PEER_LOST`` (the job
-    resumes from its last checkpoint), without a teardown that would wait on the stuck loader.
+    resumes from its last checkpoint), without a teardown that would wait on the stuck loader. The bound is
+    below the collectives' own timeout so that the stalled rank names the cause before its peers, which enter
+    their next collective at about the moment it starts waiting, time out there with a less useful line.
     """
+
+    STALL_SHARE = 0.8
 
     def __init__(self, timeout_s: float, num_workers: int, run_dir: Path, on_stall: Any = None) -> None:
         self.timeout_s = timeout_s
+        self.bound_s = self.STALL_SHARE * timeout_s
         self.num_workers = num_workers
         self.run_dir = run_dir
         self.on_stall = on_stall or self._end_rank
@@ -109,11 +115,11 @@ class DataWatchdog:
         self._since = None
 
     def _watch(self) -> None:
-        poll = min(1.0, self.timeout_s / 10)
+        poll = min(1.0, self.bound_s / 10)
         while True:
             time.sleep(poll)
             since = self._since
-            if since is not None and time.monotonic() - since > self.timeout_s:
+            if since is not None and time.monotonic() - since > self.bound_s:
                 self.on_stall(self.describe(time.monotonic() - since))
                 return
 
@@ -124,8 +130,8 @@ class DataWatchdog:
             else "its own read (data.num_workers=0)"
         )
         return (
-            f"its data loader gave no batch for {waited_s:.0f} s (deepspeed.timeout_s={self.timeout_s:g}): "
-            f"{who} is stuck, e.g. on a stalled filesystem"
+            f"its data loader gave no batch in {self.bound_s:g} s ({self.STALL_SHARE:g} x deepspeed.timeout_s="
+            f"{self.timeout_s:g}; waited {waited_s:.1f} s): {who} is stuck, e.g. on a stalled filesystem"
         )
 
     def _end_rank(self, why: str) -> None:
