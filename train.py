@@ -45,7 +45,7 @@ def run(cfg: Config) -> int:
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     family = family_of(get_spec(cfg.model.name))  # validates the name before any data is read
     check_run_dir(run_dir)
-    data = open_data(cfg.data, cfg.train, cfg.model.name, family, grad_accum, rank, world)
+    data = open_data(cfg.data, cfg.train, cfg.model, family, grad_accum, rank, world)
     spec = model_spec(cfg.model, cfg.data, data.attrs)
     check_shared(ckpt_dir)
     point = find_resume(
@@ -81,6 +81,7 @@ def run(cfg: Config) -> int:
 def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir: Path):
     """The trainer of this start, with its checkpointer, logbook and data watchdog, and the run's facts."""
     from common.cluster import node_count
+    from model.flops import WorkCounter
     from training import collectives
     from training.build import run_identity, seed_everything
     from training.checkpointer import Checkpointer, EventLog
@@ -102,6 +103,7 @@ def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir:
         after_load=[attach_zero],
     )
     facts = run_facts(cfg, spec, family, world, grad_accum, engine, events_to)
+    max_pred = cfg.data.max_pred if family.uses_max_pred else None
     trainer = Trainer(
         engine,
         data.loader,
@@ -111,8 +113,7 @@ def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir:
         logbook=Logbook(run_dir, rank, events_to.attempt, cfg.train.steps, engine.monitor),
         events_to=events_to,
         grad_accum=grad_accum,
-        seq_len=cfg.data.seq_len,
-        flops_per_token=facts.flops_per_token,
+        count=WorkCounter(spec, cfg.data.seq_len, max_pred, unpadded=bool(getattr(engine.module, "unpad", False))),
         peak_flops=facts.peak_flops_per_device,
         warmup_steps=cfg.logging.warmup_steps,
         log_every=cfg.logging.every,
@@ -182,6 +183,8 @@ def announce(cfg: Config, facts, ds_config: dict, trainer, point) -> None:
         world_size=facts.world_size,
         nodes=facts.nodes,
         step=trainer.state.step,
+        tokens=trainer.state.tokens,
+        flops=trainer.state.flops,
         resumed_from=point.tag if point else None,
         restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
         startup_s=round(trainer.startup_s, 3),
@@ -207,8 +210,16 @@ def report(facts, trainer, perf: dict) -> None:
 
     rank, run_dir = collectives.rank(), trainer.events_to.run_dir
     if rank == 0 and not perf["stopped"]:
+        state = trainer.state
         events.record(
-            run_dir, "finish", attempt=facts.attempt, rank=0, step=trainer.state.step, samples=trainer.state.samples
+            run_dir,
+            "finish",
+            attempt=facts.attempt,
+            rank=0,
+            step=state.step,
+            samples=state.samples,
+            tokens=state.tokens,
+            flops=state.flops,
         )
     if facts.zero_stage < 3:  # replicas hold full parameters: they must agree bit for bit
         write_replica_digest(run_dir, trainer.engine.module, rank, facts.world_size)

@@ -241,13 +241,24 @@ def our_overrides(model: str, family: str, paths: dict[str, Path], run_dir: Path
     ]
 
 
-def run_ours(model: str, family: str, paths: dict[str, Path], args, tag: str, ports: Ports, ranks: int = 1) -> dict:
-    """One train.py run (1 process, or ``ranks`` under the deepspeed launcher); its summary.json."""
+def run_ours(
+    model: str,
+    family: str,
+    paths: dict[str, Path],
+    args,
+    tag: str,
+    ports: Ports,
+    ranks: int = 1,
+    extra: tuple[str, ...] = (),
+) -> dict:
+    """One train.py run (1 process, or ``ranks`` under the deepspeed launcher) with ``extra`` overrides; its
+    summary.json."""
     work = Path(args.work)
     run_dir = work / "runs" / tag
     shutil.rmtree(run_dir, ignore_errors=True)  # never resume an earlier measurement
     steps = args.warmup + args.steps
     overrides = our_overrides(model, family, paths, run_dir, args if ranks == 1 else _one_thread(args), steps)
+    overrides += extra
     port = ports.take()
     env = subprocess_env(args.threads if ranks == 1 else 1)
     env["MASTER_PORT"] = str(port)
@@ -269,6 +280,7 @@ def run_ours(model: str, family: str, paths: dict[str, Path], args, tag: str, po
         "world_size",
         "measured_steps",
         "data_wait_fraction",
+        "padding_fraction",
         "final_loss",
     )
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)

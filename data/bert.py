@@ -96,6 +96,7 @@ def _shard_task(
         n_inst = len(pairs)
     t_build = time.perf_counter()
     t_mat = 0.0
+    real_tokens = real_squares = 0
     S, P = s.seq_len, s.max_pred
     with atomic_path(out_file) as tmp, h5py.File(tmp, "w") as f:
         h5format.write_attrs(
@@ -116,6 +117,9 @@ def _shard_task(
             tm = time.perf_counter()
             rows = materialize(ts.tokens, pairs.take(idx), s, sp, is_subword, rng_mask)
             t_mat += time.perf_counter() - tm
+            lengths = rows["input_mask"].sum(axis=1, dtype=np.int64)
+            real_tokens += int(lengths.sum())
+            real_squares += int((lengths * lengths).sum())
             for name, arr in rows.items():
                 ds[name][start : start + len(idx)] = arr
     return {
@@ -126,6 +130,10 @@ def _shard_task(
         "documents": ts.num_docs,
         "sentences": ts.num_sentences,
         "tokens": len(ts.tokens),
+        # real (unpadded) tokens of the rows and the sum of their lengths squared: the padding fraction and the
+        # attention FLOPs an unpadded model computes (``launch report``'s projections)
+        "real_tokens": real_tokens,
+        "real_tokens_squared": real_squares,
         "bytes": shard.nbytes,
         "source": shard.describe(),
         "seconds": round(time.perf_counter() - t0, 3),

@@ -10,9 +10,12 @@ A run's MFU is the one its summary recorded; a device without a known peak recor
 
 Projections (``--recipe``, a comma list of recipe names or YAMLs, one per phase): each phase is read with the
 loader train.py uses (``training.config.load_config``, so ``base:`` and the defaults apply) and costs
-``train.steps x train.global_batch x data.seq_len`` tokens times ``model.flops.training_flops_per_token`` of
-its model at its sequence length. A measured run projects the recipe at its own achieved model FLOP/s per
-accelerator (tokens/s per accelerator x its FLOPs per token, ``training.metrics.tflops_per_device``): wall
+``train.steps x train.global_batch`` samples times the training FLOPs of the positions its model computes
+(``training.metrics``' convention): ``data.seq_len`` per sample at ``model.flops.training_flops_per_token``, or,
+for an unpadding BERT (``model.unpad``), the mean real length of ``data.train``'s rows and its attention over
+their real lengths, both from the shards' manifest (the data's padding fraction); a phase whose manifest is not
+at hand counts every position and says so. A measured run projects the recipe at its own achieved model FLOP/s
+per accelerator (its tokens/s per accelerator x its FLOPs per token, ``training.metrics``): wall
 time = recipe FLOPs / (that x its accelerators); times its accelerators the accelerator-hours; times its nodes
 and the profile's ``price_per_instance_hour`` the cost. Where the recipe's model or sequence length differs
 from the run's, the projection assumes the run's MFU carries over, and says so (``*``). ``--device NAME
@@ -26,14 +29,14 @@ import csv
 import io
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeGuard
 
 from common.atomic import atomic_path, atomic_write_json, atomic_write_text
 from common.errors import UserError
 from common.log import get_logger
-from training.metrics import RunSummary, scaling_efficiency, tflops_per_device
+from training.metrics import RunSummary, scaling_efficiency
 
 log = get_logger("launch.report")
 
@@ -65,7 +68,7 @@ class Run:
         tokens, per_token = self.summary.tokens_per_sec_per_device, self.summary.flops_per_token
         if not (_positive_number(tokens) and _positive_number(per_token)):
             return None
-        return tflops_per_device(float(tokens), float(per_token)) * 1e12
+        return float(tokens) * float(per_token)
 
 
 def _finite(v: Any) -> bool:
@@ -149,7 +152,14 @@ class Phase:
     steps: int
     global_batch: int
     seq_len: int
-    flops_per_token: float  # model.flops.training_flops_per_token at this phase's seq_len (and max_pred)
+    tokens_per_sample: float
+    """Positions the model computes per sample: ``seq_len``, or the data's mean real length when it unpads."""
+    flops_per_sample: float
+    """Their training FLOPs (``model.flops``: attention over the real lengths when it unpads)."""
+    padding_fraction: float | None = None
+    """The data's padded share (its manifest's ``real_tokens``); None when the phase counts every position."""
+    note: str = ""
+    """Why a phase that would unpad counts every position (its data's padding is unknown here)."""
 
     @property
     def samples(self) -> int:
@@ -157,11 +167,15 @@ class Phase:
 
     @property
     def tokens(self) -> int:
-        return self.samples * self.seq_len
+        return round(self.samples * self.tokens_per_sample)
+
+    @property
+    def flops_per_token(self) -> float:
+        return self.flops_per_sample / self.tokens_per_sample
 
     @property
     def flops(self) -> float:
-        return self.tokens * self.flops_per_token
+        return self.samples * self.flops_per_sample
 
 
 @dataclass(frozen=True)
@@ -183,7 +197,7 @@ class Recipe:
 
 def load_phase(name_or_path: str) -> Phase:
     """A recipe name (``neox-20b``) or YAML, through ``training.config.load_config`` (``base:``, defaults)."""
-    from model.flops import training_flops_per_token
+    from model.flops import training_flops_of_sums, training_flops_per_token
     from model.registry import family_of, get_spec
     from training.config import load_config, resolve_config_path
 
@@ -191,9 +205,43 @@ def load_phase(name_or_path: str) -> Phase:
     cfg = load_config(str(path))
     # The vocabulary size is the registry's unless model.vocab_size sets it (train.py reads it from the data).
     spec = get_spec(cfg.model.name, vocab_size=cfg.model.vocab_size)
-    max_pred = cfg.data.max_pred if family_of(spec).uses_max_pred else None
-    per_token = training_flops_per_token(spec, cfg.data.seq_len, max_pred)
-    return Phase(str(path), cfg.model.name, cfg.train.steps, cfg.train.global_batch, cfg.data.seq_len, per_token)
+    family, seq_len = family_of(spec), cfg.data.seq_len
+    max_pred = cfg.data.max_pred if family.uses_max_pred else None
+    phase = Phase(
+        str(path),
+        cfg.model.name,
+        cfg.train.steps,
+        cfg.train.global_batch,
+        seq_len,
+        tokens_per_sample=seq_len,
+        flops_per_sample=training_flops_per_token(spec, seq_len, max_pred) * seq_len,
+    )
+    if not (family.unpads and cfg.model.unpad):
+        return phase
+    lengths = data_lengths(cfg.data.train)
+    if lengths is None:
+        why = f"{cfg.data.train or 'data.train'} has no manifest.json with real_tokens here"
+        return replace(phase, note=f"{Path(path).name}: padding unknown ({why}): every position counted")
+    real, squares = lengths
+    return replace(
+        phase,
+        tokens_per_sample=real,
+        flops_per_sample=training_flops_of_sums(spec, real, squares, 1, max_pred),
+        padding_fraction=1 - real / seq_len,
+    )
+
+
+def data_lengths(shards: str) -> tuple[float, float] | None:
+    """Mean real length of a BERT shard directory's rows and mean of its squares, from its manifest's totals
+    (``python -m data bert`` records them); None when the directory, its manifest or those totals are absent."""
+    try:
+        totals = json.loads((Path(shards) / "manifest.json").read_text(encoding="utf-8"))["totals"]
+        rows, real, squares = totals["instances"], totals["real_tokens"], totals["real_tokens_squared"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (isinstance(rows, int) and rows > 0 and _positive_number(real) and _positive_number(squares)):
+        return None
+    return real / rows, squares / rows
 
 
 def load_recipe(names: list[str]) -> Recipe:
@@ -402,8 +450,17 @@ def recipe_markdown(recipe: Recipe, device: str | None = None, mfu: float | None
         out.write("| " + " | ".join(cells) + " |\n")
     out.write(
         f"| total | | | | | {recipe.samples:,} | {recipe.tokens:,} | | {recipe.flops:.3e} |\n\n"
-        "FLOPs: model.flops.training_flops_per_token (6 N + 12 L d S per token, forward and backward).\n"
+        "FLOPs: model.flops (6 N + 12 L d n per token, forward and backward; tokens are the positions the model "
+        "computes: an unpadding BERT's real tokens, n their sequence's length, from its data's manifest).\n"
     )
+    for p in recipe.phases:
+        if p.padding_fraction is not None:
+            out.write(
+                f"{Path(p.config).name}: {p.padding_fraction * 100:.1f}% of the data's positions are padding, "
+                "not computed.\n"
+            )
+        if p.note:
+            out.write(p.note + ".\n")
     if device is not None and mfu is not None:
         peak = device_peak(device)
         proj = recipe_projection(recipe, peak, mfu, accelerators)

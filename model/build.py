@@ -21,13 +21,12 @@ def build_model(
     device: str | torch.device = "cpu",
     attention: str = "sdpa",
     activation_checkpointing: bool = False,
-    unpad: bool = False,
+    unpad: bool = True,
 ) -> PretrainingModel:
     """Construct the pre-training model. ``device="meta"`` builds shapes only (any size, no memory).
 
-    ``unpad``: BERT computes only the real tokens of its padded batches (``model.unpad``, off by default until
-    throughput and MFU count only the computed positions); GPT-NeoX's packed windows have no padding, it ignores
-    it.
+    ``unpad``: BERT computes only the real tokens of its padded batches (``model.unpad``); GPT-NeoX's packed
+    windows have no padding, it ignores it.
     """
     if isinstance(spec, str):
         spec = get_spec(spec)

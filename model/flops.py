@@ -19,12 +19,19 @@ Unpadded BERT (``model.unpad``) computes only the real tokens, so :func:`trainin
 batch by its sequences' real lengths n_i: ``6 * N_matmul`` per real token, attention ``12 * L * d_model * n_i``
 per real token of sequence i (``12 * L * d_model * sum(n_i**2)`` in all), the heads per sequence as above.
 With every n_i = S it equals ``B * S * training_flops_per_token``.
+
+What a run counts (:class:`WorkCounter`, per micro-batch on the host): the positions the model *computes*.
+Unpadded BERT computes its real tokens, so tokens/s counts real tokens and the FLOPs use the real lengths; a
+padded run (``model.unpad=false``) computes every position and counts them all, padding included, at
+``training_flops_per_token``; a packed GPT-NeoX window has no padding. Each counts what its kernels did, so one
+MFU convention serves both paths.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from dataclasses import astuple, dataclass
 from typing import cast
 
 import torch
@@ -57,28 +64,91 @@ def _layer_and_head_params(spec: ModelSpec) -> tuple[int, int, int]:
     return layers, pred_head, seq_head
 
 
+def _head_weights(spec: ModelSpec, max_pred: int | None) -> tuple[int, int, int]:
+    """(matmul weights every token is multiplied by, head weights multiplied once per sequence, layers)."""
+    layers, pred_head, seq_head = _layer_and_head_params(spec)
+    per_token, per_sequence = family_of(spec).head_weights(pred_head, seq_head, max_pred)
+    return layers + per_token, per_sequence, spec.layers * spec.hidden
+
+
+def _flops(per_token: int, per_sequence: int, attention: int, tokens: float, squares: float, sequences: float) -> float:
+    """``6 * (per_token * tokens + per_sequence * sequences) + 12 * L * d * squares`` (``attention`` = L * d); exact
+    integers from integers."""
+    return 6 * (per_token * tokens + per_sequence * sequences) + 12 * attention * squares
+
+
 @functools.cache
 def training_flops_per_token(spec: ModelSpec, seq_len: int, max_pred: int | None = None) -> float:
-    """Training FLOPs per token (forward + backward) under the convention in this module's docstring."""
-    layers, pred_head, seq_head = _layer_and_head_params(spec)
-    attention = 12 * spec.layers * spec.hidden * seq_len
-    head = family_of(spec).head_weights_per_token(pred_head, seq_head, seq_len, max_pred)
-    return 6.0 * (layers + head) + attention
+    """Training FLOPs per token (forward + backward) of full ``seq_len`` rows, under this module's convention."""
+    return _flops(*_head_weights(spec, max_pred), seq_len, seq_len * seq_len, 1) / seq_len
 
 
 def training_flops_of_lengths(spec: ModelSpec, lengths: Iterable[int], max_pred: int | None = None) -> int:
     """Training FLOPs of a batch whose sequences have these real lengths, as the unpadded model computes it.
 
-    Per sequence of n real tokens: ``6 * (N_matmul * n + head weights of the sequence) + 12 * L * d_model *
-    n**2``; the head weights are the family's rule (BERT: the MLM head at ``max_pred`` positions, pooler and
-    NSP once) times n, a whole number of weights.
+    Per sequence of n real tokens: ``6 * (N_matmul * n + per-sequence head weights) + 12 * L * d_model *
+    n**2``; an empty row costs nothing. Exact integers.
     """
-    layers, pred_head, seq_head = _layer_and_head_params(spec)
-    rule = family_of(spec).head_weights_per_token
-    total = 0
-    for n in lengths:
-        if n <= 0:
-            continue  # an empty row: nothing computed for it
-        head = round(rule(pred_head, seq_head, n, max_pred) * n)
-        total += 6 * (layers * n + head) + 12 * spec.layers * spec.hidden * n * n
-    return total
+    real = [int(n) for n in lengths if n > 0]
+    return int(_flops(*_head_weights(spec, max_pred), sum(real), sum(n * n for n in real), len(real)))
+
+
+def training_flops_of_sums(
+    spec: ModelSpec, tokens: float, squares: float, sequences: float, max_pred: int | None = None
+) -> float:
+    """:func:`training_flops_of_lengths` from the sums it needs: real tokens, their lengths squared, and the
+    non-empty sequences (means per sequence give the FLOPs of an average sequence)."""
+    return _flops(*_head_weights(spec, max_pred), tokens, squares, sequences)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a micro-batch (or a sum of them) cost, counted on the host (:class:`WorkCounter`)."""
+
+    positions: int
+    """Every position read: rows x ``seq_len``, padding included."""
+    real: int
+    """The real tokens among them (BERT: its attention mask; a packed GPT window has no padding)."""
+    computed: int
+    """The positions the model computed: the real tokens when it unpads (``model.unpad``), else every position.
+    Tokens/s, TFLOP/s and MFU count these (``training.metrics``)."""
+    flops: int
+    """Training FLOPs of the computed positions (this module's convention)."""
+
+    def __add__(self, other: Work) -> Work:
+        return Work(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+    @property
+    def padding_fraction(self) -> float | None:
+        """Padded positions over all positions read; None before any."""
+        return 1.0 - self.real / self.positions if self.positions else None
+
+
+NO_WORK = Work(0, 0, 0, 0)
+
+
+class WorkCounter:
+    """Counts each micro-batch on the host, from what the loader gives it: the unpadding keys' ``cu_seqlens``
+    (CPU tensor), else the attention mask, else full rows. No device value is read."""
+
+    def __init__(self, spec: ModelSpec, seq_len: int, max_pred: int | None, unpadded: bool) -> None:
+        self.seq_len, self.unpadded = seq_len, unpadded
+        self._weights = _head_weights(spec, max_pred)
+
+    def lengths(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The real length of each row (int64, on the host)."""
+        if "cu_seqlens" in batch:
+            return batch["cu_seqlens"].to("cpu", torch.int64).diff()
+        if "attention_mask" in batch:
+            return (batch["attention_mask"].to("cpu") != 0).sum(1)
+        rows = batch["input_ids"].shape[0]
+        return torch.full((rows,), self.seq_len, dtype=torch.int64)
+
+    def __call__(self, batch: Mapping[str, torch.Tensor]) -> Work:
+        n = self.lengths(batch)
+        rows, positions, real = len(n), len(n) * self.seq_len, int(n.sum())
+        if self.unpadded:
+            flops = _flops(*self._weights, real, int((n * n).sum()), int((n > 0).sum()))
+            return Work(positions, real, real, int(flops))
+        flops = _flops(*self._weights, positions, rows * self.seq_len**2, rows)
+        return Work(positions, real, positions, int(flops))

@@ -189,19 +189,19 @@ def _save_neox_tokenizer(tokenizer: Path, out: Path, spec: NeoxSpec, data_attrs:
     return save_hf_tokenizer(tokenizer, out, spec, eod_id=data_attrs.get("eod_id"))
 
 
-def _mlm_head_weights_per_token(pred_head: int, seq_head: int, seq_len: int, max_pred: int | None) -> float:
-    """BERT: the MLM head runs at ``max_pred`` gathered positions, pooler + NSP once per sequence."""
+def _mlm_head_weights(pred_head: int, seq_head: int, max_pred: int | None) -> tuple[int, int]:
+    """BERT: nothing per token; per sequence the MLM head at ``max_pred`` gathered positions, pooler + NSP once."""
     if max_pred is None:
         raise ValueError("BERT FLOPs need max_pred (MLM predictions per sequence)")
-    return (pred_head * max_pred + seq_head) / seq_len
+    return 0, pred_head * max_pred + seq_head
 
 
-def _lm_head_weights_per_token(pred_head: int, seq_head: int, seq_len: int, max_pred: int | None) -> float:
-    """Causal LM: the LM head runs at every position (per-sequence heads, if any, once per sequence)."""
-    return pred_head + seq_head / seq_len
+def _lm_head_weights(pred_head: int, seq_head: int, max_pred: int | None) -> tuple[int, int]:
+    """Causal LM: the LM head at every token (per-sequence heads, if any, once per sequence)."""
+    return pred_head, seq_head
 
 
-HeadRule = Callable[[int, int, int, "int | None"], float]
+HeadRule = Callable[[int, int, "int | None"], tuple[int, int]]
 
 
 @dataclass(frozen=True)
@@ -222,9 +222,11 @@ class Family:
     """What the tokenizer file is (for messages): ``vocab.txt`` or ``tokenizer.json``."""
     uses_max_pred: bool
     """Shards and FLOPs depend on ``data.max_pred`` (MLM predictions per sequence)."""
-    head_weights_per_token: HeadRule
-    """(per-position head weights, a tied decoder included; per-sequence head weights; seq_len; max_pred)
-    -> head weights a token is multiplied by, on average (``model.flops`` convention)."""
+    unpads: bool
+    """Its model can compute only the real tokens of padded rows (``model.unpad``)."""
+    head_weights: HeadRule
+    """(per-position head weights, a tied decoder included; per-sequence head weights; max_pred) -> (head
+    weights every token is multiplied by, head weights multiplied once per sequence) (``model.flops``)."""
     eval_metrics: tuple[str, ...]
     """Keys ``Trainer.evaluate`` reports for the family."""
     save_tokenizer: Callable[[Path, Path, Any, dict[str, Any]], dict[str, int]]
@@ -245,7 +247,8 @@ FAMILIES: dict[str, Family] = {
             hash_key="vocab_sha256",
             tokenizer_file="vocab.txt",
             uses_max_pred=True,
-            head_weights_per_token=_mlm_head_weights_per_token,
+            unpads=True,
+            head_weights=_mlm_head_weights,
             eval_metrics=("eval_loss", "eval_mlm_accuracy", "eval_nsp_accuracy"),
             save_tokenizer=_save_bert_tokenizer,
             hf_auto_class="AutoModelForPreTraining",
@@ -258,7 +261,8 @@ FAMILIES: dict[str, Family] = {
             hash_key="tokenizer_sha256",
             tokenizer_file="tokenizer.json",
             uses_max_pred=False,
-            head_weights_per_token=_lm_head_weights_per_token,
+            unpads=False,
+            head_weights=_lm_head_weights,
             eval_metrics=("eval_loss", "eval_perplexity"),
             save_tokenizer=_save_neox_tokenizer,
             hf_auto_class="AutoModelForCausalLM",

@@ -274,6 +274,22 @@ def test_goodput_arithmetic() -> None:
     assert events.segments([], 8, 128) is None
     assert events.read(Path("/nonexistent")) == []  # a run with no events file yet
 
+    # events that carry the run's computed tokens and FLOPs (an unpadded run computes fewer than 128 a
+    # sequence): the segments count those, not global_batch x seq_len, and the MFU follows them
+    counted = [dict(ev) for ev in evs]
+    work = {0: (0, 0.0), 2: (1500, 1.5e9), 4: (3000, 3.0e9), 6: (4400, 4.5e9)}  # tokens and FLOPs at each step
+    for ev in counted:
+        if "step" in ev and ev["event"] in ("start", "checkpoint", "finish"):
+            ev["tokens"], ev["flops"] = work[int(ev["step"])]
+    seg = events.segments(counted, global_batch=8, seq_len=128, flops_per_token=1e6, peak_flops_per_device=1e9)
+    assert seg is not None
+    one, two = seg["segments"]
+    assert (one["tokens"], one["flops"], two["tokens"], two["flops"]) == (3000, 3.0e9, 1400, 1.5e9)
+    assert one["sequences_per_sec"] == pytest.approx(32 / 18)  # sequences are still steps x global batch
+    assert one["tokens_per_sec_per_device"] == pytest.approx(3000 / 18 / 2)
+    assert one["mfu"] == pytest.approx(3.0e9 / 18 / 2 / 1e9) and two["mfu"] == pytest.approx(1.5e9 / 11 / 1e9)
+    assert seg["total"]["tokens"] == 4400 and seg["total"]["mfu"] == pytest.approx(4.5e9 / 47 / 1e9)
+
 
 def test_goodput_counts_a_background_save_from_its_stall_not_its_commit() -> None:
     """A background save of step 4 stalls training until 30 and is committed at 33 (``done_at`` 30): the steps

@@ -138,6 +138,36 @@ def test_projection_at_the_runs_achieved_flops(runs: Path) -> None:
     assert w2["projection_extrapolated"]  # bert-large at 128 and 512 from a bert-debug run at 128
 
 
+def test_an_unpadded_recipe_projects_its_datas_real_tokens(tmp_path: Path) -> None:
+    """An unpadding BERT phase costs the positions it computes: its data's mean real length, attention over
+    the real lengths (the shards' manifest totals); with model.unpad=false, or without a manifest at hand,
+    every position, and the report says which."""
+    from model.flops import training_flops_of_sums
+    from model.registry import get_spec
+
+    data = tmp_path / "h5"
+    data.mkdir()
+    totals = {"instances": 1000, "real_tokens": 100_000, "real_tokens_squared": 11_000_000}
+    (data / "manifest.json").write_text(json.dumps({"shards": [], "totals": totals}))
+    for unpad in ("true", "false"):
+        (tmp_path / f"{unpad}.yaml").write_text(
+            f"base: {REPO / 'configs' / 'bert-large-phase1.yaml'}\ndata:\n  train: {data}\nmodel:\n  unpad: {unpad}\n"
+        )
+    on, off, absent = (
+        load_recipe([str(tmp_path / "true.yaml")]).phases[0],
+        load_recipe([str(tmp_path / "false.yaml")]).phases[0],
+        load_recipe(["bert-large-phase1"]).phases[0],  # its data.train is not on this machine
+    )
+    assert on.padding_fraction == pytest.approx(1 - 100 / 128) and on.note == ""
+    assert on.tokens == on.samples * 100
+    per_sample = training_flops_of_sums(get_spec("bert-large"), 100.0, 11_000.0, 1, 20)
+    assert on.flops == pytest.approx(on.samples * per_sample, rel=1e-12)
+    assert off.tokens == absent.tokens == off.samples * 128 and off.flops == pytest.approx(absent.flops)
+    assert off.padding_fraction is None and off.note == ""  # padded: counts every position, as it computes
+    assert absent.padding_fraction is None and "padding unknown" in absent.note
+    assert on.flops < off.flops
+
+
 @pytest.mark.parametrize("name", SHIPPED)
 def test_every_shipped_recipe_projects(name: str, tmp_path: Path) -> None:
     recipe = load_recipe([name])

@@ -239,11 +239,11 @@ def test_every_size_has_its_family_record():
 def test_head_rules():
     from model.registry import FAMILIES
 
-    bert, neox = FAMILIES["bert"].head_weights_per_token, FAMILIES["neox"].head_weights_per_token
-    assert bert(1000, 64, 128, 20) == pytest.approx((1000 * 20 + 64) / 128)  # MLM at 20 of 128, NSP once
-    assert neox(1000, 0, 128, None) == 1000  # the LM head at every position
+    bert, neox = FAMILIES["bert"].head_weights, FAMILIES["neox"].head_weights
+    assert bert(1000, 64, 20) == (0, 1000 * 20 + 64)  # per sequence: MLM at 20 positions, NSP once
+    assert neox(1000, 0, None) == (1000, 0)  # the LM head at every position
     with pytest.raises(ValueError, match="max_pred"):
-        bert(1000, 64, 128, None)
+        bert(1000, 64, None)
 
 
 @pytest.mark.parametrize("name", ["bert-base", "bert-1.5b", "neox-125m", "neox-20b"])
@@ -273,8 +273,8 @@ def test_flops_equal_the_family_head_rule(name):
     if hf.get_output_embeddings().weight is hf.get_input_embeddings().weight:
         pred += hf.get_output_embeddings().weight.numel()  # BERT's decoder: the tied embedding matrix
     seq_len, max_pred = (128, 20) if spec.family == "bert" else (2048, None)
-    head = family_of(spec).head_weights_per_token(pred, seq, seq_len, max_pred)
-    expected = 6 * (layers + head) + 12 * spec.layers * spec.hidden * seq_len
+    per_token, per_sequence = family_of(spec).head_weights(pred, seq, max_pred)
+    expected = 6 * (layers + per_token + per_sequence / seq_len) + 12 * spec.layers * spec.hidden * seq_len
     assert training_flops_per_token(spec, seq_len, max_pred) == pytest.approx(expected, rel=1e-12)
 
 

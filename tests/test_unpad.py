@@ -248,6 +248,56 @@ def test_flops_of_known_lengths():
     assert full == pytest.approx(4 * 128 * training_flops_per_token(spec, 128, max_pred), rel=1e-15)
 
 
+def test_the_manifest_records_the_real_tokens(shards: Path) -> None:
+    """``python -m data bert`` records each shard's real tokens and their lengths squared (``launch report``
+    projects an unpadded recipe with them): they equal the sums over the shards' own input masks."""
+    import json
+
+    import h5py
+    import numpy as np
+
+    manifest = json.loads((shards / "manifest.json").read_text())
+    real = squares = rows = 0
+    for rec in manifest["shards"]:
+        with h5py.File(shards / rec["file"]) as f:
+            n = np.asarray(f["input_mask"]).sum(1, dtype=np.int64)
+        assert (rec["real_tokens"], rec["real_tokens_squared"]) == (int(n.sum()), int((n * n).sum()))
+        real, squares, rows = real + int(n.sum()), squares + int((n * n).sum()), rows + len(n)
+    totals = manifest["totals"]
+    assert (totals["real_tokens"], totals["real_tokens_squared"], totals["instances"]) == (real, squares, rows)
+    assert 0 < real < rows * 128  # the sample pads some rows
+
+
+def test_a_run_counts_the_positions_its_model_computes():
+    """The counting convention (``model.flops.WorkCounter``, ``training.metrics``): a micro-batch of known
+    lengths gives exactly these tokens and FLOPs, from its unpadding keys or from its mask alone; the padded path
+    counts every position at ``training_flops_per_token``; a packed GPT window has no padding. Throughput and
+    MFU are then those counts over the window's seconds."""
+    from model.flops import NO_WORK, Work, WorkCounter
+    from training.metrics import flops_per_sec_per_device, mfu, throughput
+
+    spec, max_pred, lengths = get_spec("bert-debug"), 20, [128, 100, 37, 5]
+    mask = (torch.arange(128) < torch.tensor(lengths).unsqueeze(1)).long()
+    exact = 2_626_894_896  # test_flops_of_known_lengths: 6 N x 270 tokens + heads + 12 L d sum(n^2)
+    unpadded = WorkCounter(spec, 128, max_pred, unpadded=True)
+    keyed = {"attention_mask": mask, **unpadding_index(mask)}
+    assert unpadded(keyed) == unpadded({"attention_mask": mask}) == Work(512, 270, 270, exact)
+    padded = WorkCounter(spec, 128, max_pred, unpadded=False)
+    full = training_flops_of_lengths(spec, [128] * 4, max_pred)
+    assert padded(keyed) == Work(512, 270, 512, full)
+    assert full == pytest.approx(512 * training_flops_per_token(spec, 128, max_pred), rel=1e-15)
+    neox = WorkCounter(get_spec("neox-debug"), 64, None, unpadded=False)
+    assert neox({"input_ids": torch.zeros(3, 64, dtype=torch.long)}) == Work(
+        192, 192, 192, 192 * int(training_flops_per_token(get_spec("neox-debug"), 64))
+    )
+    step = NO_WORK + unpadded(keyed) + unpadded(keyed)
+    assert step == Work(1024, 540, 540, 2 * exact) and step.padding_fraction == 1 - 540 / 1024
+    tp = throughput(8, step.computed, 2.0, 2)  # 8 sequences, 540 tokens in 2 s on 2 devices
+    assert (tp.sequences_per_sec, tp.tokens_per_sec, tp.tokens_per_sec_per_device) == (4.0, 270.0, 135.0)
+    achieved = flops_per_sec_per_device(step.flops, 2.0, 2)
+    assert achieved == 2 * exact / 4 and mfu(achieved, 4 * achieved) == 0.25
+
+
 def test_jagged_tensors_survive_activation_checkpointing():
     """The jagged kernel's nested tensors share the offsets made once per forward: a checkpointed layer's
     recomputation then has the same ragged size as the forward, which checkpointing checks (CUDA's path; on CPU

@@ -82,6 +82,7 @@ def _open_loader(
     rank: int,
     world: int,
     expect: dict,
+    unpad: bool,
 ):
     from data.loader import PretrainingLoader
 
@@ -100,19 +101,21 @@ def _open_loader(
         num_workers=data.num_workers,
         expect=expect,
         require_manifest=data.require_manifest,
+        unpad=unpad,
     )
 
 
 def open_data(
-    data: DataSection, train: TrainSection, model_name: str, family, grad_accum: int, rank: int, world: int
+    data: DataSection, train: TrainSection, model: ModelSection, family, grad_accum: int, rank: int, world: int
 ) -> RunData:
     """Open the shards the model family reads, checking them against ``data.*`` (sequence length,
-    vocabulary)."""
+    vocabulary). With ``model.unpad`` the BERT micro-batches carry where their real tokens are, found on the
+    host (``data.loader.unpadding_index``)."""
     from data.loader import EvalSet
 
     kind = family.shard_kind if data.kind == "auto" else data.kind
     if kind != family.shard_kind:
-        raise UserError(f"data.kind={data.kind} does not fit model {model_name} ({family.name})")
+        raise UserError(f"data.kind={data.kind} does not fit model {model.name} ({family.name})")
     expect: dict[str, Any] = {"seq_len": data.seq_len}
     if family.uses_max_pred:
         expect["max_pred"] = data.max_pred
@@ -122,7 +125,8 @@ def open_data(
             raise UserError(f"data.vocab={data.vocab}: file does not exist")
         vocab_sha = sha256_file(data.vocab)  # the hash the shard writers store
         expect[family.hash_key] = vocab_sha
-    loader = _open_loader(data, train, data.train, "data.train", kind, grad_accum, rank, world, expect)
+    unpad = model.unpad and kind == "bert"
+    loader = _open_loader(data, train, data.train, "data.train", kind, grad_accum, rank, world, expect, unpad)
     eval_set = None
     if data.eval:
         if not Path(data.eval).exists():
@@ -136,6 +140,7 @@ def open_data(
             dp_world=world,
             expect=expect,
             require_manifest=data.require_manifest,
+            unpad=unpad,
         )
     attrs = loader.attrs
     return RunData(loader, eval_set, kind, attrs, vocab_sha or attrs.get(family.hash_key))

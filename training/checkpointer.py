@@ -144,8 +144,10 @@ class Checkpointer:
         self.finish_pending()  # its wait is part of this save's stall (and of checkpoint.every=auto's C)
         t1 = time.perf_counter()
         client = {**self.identity.to_dict(), **progress}
+        counted: dict[str, float] = {k: progress[k] for k in ("tokens", "flops") if k in progress}  # for segments
         if background:
             pending = saving.save_in_background(self.engine, self.dir, step, client)
+            pending.counted = counted
             tag = pending.tag
         else:
             tag = saving.save(self.engine, self.dir, step, client, self.cfg.keep)
@@ -158,7 +160,7 @@ class Checkpointer:
         else:
             self.full_save_s = self.last_save_s
             log.info(f"saved checkpoint {self.dir / tag}")
-            self._record(step, tag, self.last_save_s)
+            self._record(step, tag, self.last_save_s, **counted)
         return tag
 
     def save_scheduled(self, step: int, progress: dict[str, Any]) -> None:
@@ -190,7 +192,12 @@ class Checkpointer:
         self.full_save_s = pending.stall_s + pending.write_s
         log.info(f"saved checkpoint {self.dir / pending.tag} (written in the background in {pending.write_s:.2f} s)")
         self._record(
-            pending.step, pending.tag, pending.stall_s, write_s=round(pending.write_s, 4), done_at=pending.done_at
+            pending.step,
+            pending.tag,
+            pending.stall_s,
+            write_s=round(pending.write_s, 4),
+            done_at=pending.done_at,
+            **pending.counted,
         )
 
     def follow(self, step: int, as_of: int, written: int, failed: bool, world: int) -> bool:

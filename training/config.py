@@ -40,11 +40,11 @@ class ModelSection:
     """Attention kernel: PyTorch scaled-dot-product attention (flash/efficient kernels on GPU) or eager."""
     activation_checkpointing: bool = False
     """Recompute each layer's activations in the backward pass (memory for compute)."""
-    unpad: bool = False
+    unpad: bool = True
     """BERT: compute only the real tokens of each padded micro-batch (embeddings, linears, LayerNorms on the packed
-    tokens, variable-length attention); false runs ``transformers``' padded forward. Off by default for now:
-    throughput, TFLOP/s and MFU still count every position, which would overstate an unpadded run's work.
-    GPT-NeoX ignores it: its packed windows have no padding."""
+    tokens, variable-length attention); tokens/s, TFLOP/s and MFU then count only those tokens
+    (``training.metrics``). false runs ``transformers``' padded forward, which computes and counts every
+    position. GPT-NeoX ignores it: its packed windows have no padding."""
     dropout: float | None = None
     """Override the size's dropout (BERT 0.1, GPT-NeoX 0.0)."""
     vocab_size: int | None = None

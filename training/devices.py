@@ -25,6 +25,7 @@ import torch
 
 from common.atomic import atomic_write_json
 from common.log import get_logger
+from model.unpad import HOST_KEYS
 
 log = get_logger(__name__)
 
@@ -302,3 +303,17 @@ def peak_flops(name: str | None = None, dtypes: Iterable[str | torch.dtype] = ("
             "(add its datasheet's dense BF16 figure to training.devices.PEAK_FLOPS)",
         )
     return peak
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A host micro-batch on ``device``, without making the host wait: through pinned memory on CUDA; the
+    unpadding's host keys (``model.unpad.HOST_KEYS``: exact kernel sizes) stay on the host."""
+    out = {}
+    for k, v in batch.items():
+        if k in HOST_KEYS:
+            out[k] = v
+            continue
+        if device.type == "cuda":  # a copy from pinned memory does not make the host wait for the device
+            v = v.pin_memory()
+        out[k] = v.to(device, non_blocking=True)
+    return out

@@ -7,6 +7,7 @@ import math
 import torch
 
 from training import collectives
+from training.devices import to_device
 
 
 @torch.no_grad()
@@ -32,7 +33,7 @@ def evaluate(engine, eval_set, device: torch.device) -> dict[str, float]:
     )
     sums = torch.zeros(len(keys), dtype=torch.float64, device=device)
     for batch in eval_set:
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = to_device(batch, device)
         out = engine(**batch)
         n = float(batch["input_ids"].size(0))
         pieces = {"n": n, "loss_x_n": out["loss"].double() * n}

@@ -4,7 +4,9 @@ Kinds (each line also has ``time``, seconds since the epoch, ``rank`` and ``atte
 
 - ``start``: training begins (after start-up and any checkpoint load): ``world_size``, ``nodes``, ``step``
   (where it resumes, 0 for a new run), ``resumed_from`` (a tag or null), ``restart`` (the elastic agent's
-  restart count, 0 for a first start), ``startup_s`` (process start to this line);
+  restart count, 0 for a first start), ``startup_s`` (process start to this line), ``tokens`` and ``flops``
+  (the run's computed tokens and their FLOPs so far; ``checkpoint``, ``sigterm`` and ``finish`` carry them
+  as of their step: ``segments`` reads the work between two events from them);
 - ``world_size_change``: the run resumes at another data-parallel world size: ``previous``, ``world_size``;
 - ``checkpoint``: a committed save: ``step``, ``tag``, ``save_s`` (the training stall it caused); a
   background save (``checkpoint.async_save``) is recorded when committed, some steps after its stall, and
@@ -16,7 +18,7 @@ Kinds (each line also has ``time``, seconds since the epoch, ``rank`` and ``atte
 - ``preempted``: ``launch elastic`` itself was signalled (``signal``, ``host``): the job ends with 3 for the
   scheduler to requeue, and is not restarted in place;
 - ``user_error``: the job's input is wrong (exit 2; restarting cannot help): ``message``;
-- ``finish``: the run reached ``train.steps``: ``step``, ``samples``.
+- ``finish``: the run reached ``train.steps``: ``step``, ``samples``, ``tokens``, ``flops``.
 
 Rank 0 writes the run's events; ``failure``, ``sigterm`` and ``launcher_lost`` come from the rank that saw
 them, because rank 0 may be the one that is gone, and ``preempted`` from each node's ``launch elastic``.
@@ -162,14 +164,16 @@ def segments(
       checkpoint, a SIGTERM stop, the finish), less the checkpoint stalls in between. Steps trained after that
       event (lost to a failure) are in neither its sequences nor its time;
     - its sequences are those steps x ``global_batch``, steps that a later start re-did included (its devices
-      did that work);
+      did that work); its tokens and FLOPs are the run's counts (``tokens``, ``flops``: the positions computed,
+      ``training.metrics``' convention) at that event less those at its ``start``; events without them (runs
+      older than the convention) count ``seq_len`` tokens per sequence at ``flops_per_token``;
     - throughput and MFU use ``training.metrics``; scaling efficiency is per-device throughput over that of
       the segment with the fewest devices (``launch report``'s convention across runs);
     - the totals divide all segments' sequences by all their time, and per device by their device-seconds.
 
     None when no segment completed a step.
     """
-    from training.metrics import mfu, scaling_efficiency, throughput
+    from training.metrics import flops_per_sec_per_device, mfu, scaling_efficiency, throughput
 
     starts = [i for i, ev in enumerate(events) if ev["event"] == "start"]
     bounds = [*starts, len(events)]
@@ -187,18 +191,26 @@ def segments(
         world = int(start.get("world_size", 1))
         if steps <= 0 or seconds <= 0:
             continue
-        tp = throughput(steps * global_batch, seconds, seq_len, world)
+        if all(k in ev for ev in (start, last) for k in ("tokens", "flops")):
+            tokens, flops = last["tokens"] - start["tokens"], last["flops"] - start["flops"]
+        else:
+            tokens = steps * global_batch * seq_len
+            flops = tokens * flops_per_token if flops_per_token else None
+        tp = throughput(steps * global_batch, tokens, seconds, world)
         out.append(
             {
                 "world_size": world,
                 "from_step": int(start.get("step", 0)),
                 "to_step": int(last["step"]),
                 "seconds": round(seconds, 3),
+                "tokens": tokens,
+                "flops": flops,
                 "sequences_per_sec": tp.sequences_per_sec,
                 "sequences_per_sec_per_device": tp.sequences_per_sec_per_device,
-                "mfu": mfu(tp.tokens_per_sec_per_device, flops_per_token, peak_flops_per_device)
-                if flops_per_token
-                else None,
+                "tokens_per_sec_per_device": tp.tokens_per_sec_per_device,
+                "mfu": None
+                if flops is None
+                else mfu(flops_per_sec_per_device(flops, seconds, world), peak_flops_per_device),
             }
         )
     if not out:
@@ -211,7 +223,9 @@ def segments(
     sequences = sum((s["to_step"] - s["from_step"]) * global_batch for s in out)
     seconds = sum(s["seconds"] for s in out)
     device_s = sum(s["seconds"] * s["world_size"] for s in out)
-    total = throughput(sequences, seconds, seq_len, 1)
+    tokens = sum(s["tokens"] for s in out)
+    flops = None if any(s["flops"] is None for s in out) else sum(s["flops"] for s in out)
+    total = throughput(sequences, tokens, seconds, 1)
     per_device = sequences / device_s
     return {
         "segments": out,
@@ -219,7 +233,8 @@ def segments(
             "sequences": sequences,
             "seconds": round(seconds, 3),
             "sequences_per_sec": total.sequences_per_sec,
+            "tokens": tokens,
             "sequences_per_sec_per_device": per_device,
-            "mfu": mfu(per_device * seq_len, flops_per_token, peak_flops_per_device) if flops_per_token else None,
+            "mfu": None if flops is None else mfu(flops / device_s, peak_flops_per_device),
         },
     }

@@ -3,13 +3,18 @@
 Conventions (every report in the application uses these functions and nothing else):
 
 * **Throughput** counts *trained* samples: sequences/s = sequences consumed by optimizer steps / wall seconds,
-  measured after ``warmup_steps`` steps, with device synchronisation at both ends of the window. Tokens/s =
-  sequences/s x sequence length (a packed GPT window of ``seq_len`` inputs counts ``seq_len`` tokens; BERT
-  counts every position, padding included, as NVIDIA's reference does).
+  measured after ``warmup_steps`` steps, with device synchronisation at both ends of the window.
+* **Tokens** are the positions the model *computed* (``model.flops.WorkCounter``, per micro-batch on the
+  host, summed over the ranks in the step's own collective): unpadded BERT (``model.unpad``, the default)
+  computes only its real tokens and counts only them; a padded BERT run (``model.unpad=false``) computes and
+  counts every position, padding included, as NVIDIA's reference does; a packed GPT window of ``seq_len``
+  inputs counts ``seq_len``. Tokens/s = those tokens / the window's seconds. ``padding_fraction`` is the share
+  of padded positions in what the run read, whichever path computed it.
 * **Per device** figures divide the job's figure by the number of devices (data-parallel ranks x
   model-parallel size); on CPU one rank stands for one device.
-* **TFLOP/s per device** = tokens/s per device x training FLOPs per token
-  (``model.flops.training_flops_per_token``).
+* **TFLOP/s per device** = the training FLOPs of the computed positions (``model.flops``: attention over
+  each sequence's real length when unpadded) / the window's seconds / devices. ``flops_per_token`` in a
+  summary is that window's FLOPs over its tokens.
 * **MFU** = achieved FLOP/s per device / the device's peak (``training.devices.peak_flops``): the dense BF16
   tensor FLOP/s from the vendor's datasheet for an accelerator in ``training.devices.PEAK_FLOPS``; on CPU the
   fastest matmul measured on this CPU in the run's compute dtypes. No known peak, no MFU (None). MFU > 1 is a
@@ -34,21 +39,25 @@ class Throughput:
     tokens_per_sec_per_device: float
 
 
-def throughput(sequences: int, seconds: float, seq_len: int, devices: int) -> Throughput:
-    """Throughput over a measured window of ``sequences`` trained sequences in ``seconds``."""
+def throughput(sequences: int, tokens: float, seconds: float, devices: int) -> Throughput:
+    """Throughput over a measured window of ``sequences`` trained sequences holding ``tokens`` computed
+    positions, in ``seconds``."""
     if seconds <= 0 or devices <= 0:
         raise ValueError(f"throughput needs seconds > 0 and devices > 0 (got {seconds}, {devices})")
-    sps = sequences / seconds
-    return Throughput(sps, sps * seq_len, sps / devices, sps * seq_len / devices)
+    sps, tps = sequences / seconds, tokens / seconds
+    return Throughput(sps, tps, sps / devices, tps / devices)
 
 
-def tflops_per_device(tokens_per_sec_per_device: float, flops_per_token: float) -> float:
-    """Achieved model TFLOP/s per device (model FLOPs, not hardware FLOPs: recomputation is not counted)."""
-    return tokens_per_sec_per_device * flops_per_token / 1e12
+def flops_per_sec_per_device(flops: float, seconds: float, devices: int) -> float:
+    """Achieved model FLOP/s per device (model FLOPs, not hardware FLOPs: recomputation is not counted)."""
+    if seconds <= 0 or devices <= 0:
+        raise ValueError(f"FLOP/s needs seconds > 0 and devices > 0 (got {seconds}, {devices})")
+    return flops / seconds / devices
 
 
-def mfu(tokens_per_sec_per_device: float, flops_per_token: float, peak_flops_per_device: float | None) -> float | None:
-    """Model FLOPs utilisation in [0, 1], or None when the device's peak is unknown.
+def mfu(flops_per_sec: float, peak_flops_per_device: float | None) -> float | None:
+    """Model FLOPs utilisation in [0, 1] of ``flops_per_sec`` achieved per device, or None when the device's
+    peak is unknown.
 
     Raises ValueError, naming the figures, when the result exceeds 1: that cannot be right.
     """
@@ -56,13 +65,11 @@ def mfu(tokens_per_sec_per_device: float, flops_per_token: float, peak_flops_per
         return None
     if peak_flops_per_device <= 0:
         raise ValueError(f"peak FLOP/s must be positive (got {peak_flops_per_device})")
-    achieved = tokens_per_sec_per_device * flops_per_token
-    value = achieved / peak_flops_per_device
+    value = flops_per_sec / peak_flops_per_device
     if value > 1:
         raise ValueError(
-            f"MFU {value:.3f} > 1: {tokens_per_sec_per_device:.6g} tokens/s per device x "
-            f"{flops_per_token:.6g} FLOPs/token = {achieved:.6g} FLOP/s exceeds the device peak "
-            f"{peak_flops_per_device:.6g} FLOP/s; the FLOPs per token or the peak is wrong"
+            f"MFU {value:.3f} > 1: {flops_per_sec:.6g} model FLOP/s per device exceeds the device peak "
+            f"{peak_flops_per_device:.6g} FLOP/s; the FLOPs count or the peak is wrong"
         )
     return value
 
@@ -148,7 +155,7 @@ class RunSummary:
     measured_steps: int
     samples: int
     tokens: int
-    flops_per_token: float | None  # None only in summaries of runs that could not count their FLOPs
+    flops_per_token: float | None  # the window's FLOPs per computed token (None: runs that could not count them)
     peak_flops_per_device: float | None
     attempt: int
     stopped: str  # "" (finished), "sigterm" or "stop_at_step"
@@ -170,6 +177,7 @@ class RunSummary:
     tflops_per_device: float | None = None
     mfu: float | None = None
     data_wait_fraction: float | None = None
+    padding_fraction: float | None = None  # padded positions / positions read, this start (model.flops.Work)
     goodput: dict[str, Any] | None = None
     segments: dict[str, Any] | None = None  # training.events.segments: figures per world size, and totals
     evaluation: dict[str, float] = field(default_factory=dict)
@@ -212,6 +220,8 @@ class RunFacts:
     grad_accum: int
     seq_len: int
     flops_per_token: float | None
+    """At full ``seq_len`` rows (``model.flops.training_flops_per_token``); the summary records the measured
+    window's own (unpadded BERT's real lengths) when there is one."""
     peak_flops_per_device: float | None
     attempt: int
     config: dict[str, Any]
@@ -230,12 +240,12 @@ def summarize(
     evaluation: dict[str, float],
 ) -> RunSummary:
     """The run summary: ``facts``, the step counters (``steps``, ``samples``, ``tokens``), the trainer's
-    figures (``perf``: throughput, MFU, the time breakdown, ``stopped``) and, from the run's events, its goodput
-    and per-segment figures."""
+    figures (``perf``: throughput, MFU, FLOPs per token, the time breakdown, ``stopped``; over ``facts``) and,
+    from the run's events, its goodput and per-segment figures."""
     from training import events
 
     return RunSummary(
-        **asdict(facts),
+        **{**asdict(facts), **perf},
         device_count=facts.world_size,
         steps=counters["step"],
         samples=counters["samples"],
@@ -250,5 +260,4 @@ def summarize(
         segments=events.segments(
             run_events, facts.global_batch, facts.seq_len, facts.flops_per_token, facts.peak_flops_per_device
         ),
-        **perf,
     )

@@ -191,6 +191,7 @@ class BackgroundSave:
         self.write_s = 0.0
         self.stall_s = 0.0  # set by the caller: the training stall it caused,
         self.done_at = 0.0  # and when that stall ended (time.time())
+        self.counted: dict[str, float] = {}  # the run's tokens and FLOPs at ``step``, for its event
         self.committed = False
         self.reported_step = step  # the step after which the ranks' next report is awaited
         self._ok = False

@@ -7,8 +7,10 @@ tokens, loader position, RNG states) goes into the checkpoint; ``close()`` alway
 
 Host synchronisation. Inside a step nothing waits for the device: the micro-batch losses are summed on the
 device. At the end of a step one collective (``StepReduction``) carries the step's loss pieces and the named
-flags; its result is copied to the host without blocking and read one step later, when it is long complete.
-Only logging, evaluation and checkpoint steps read the current step's values at once.
+flags, and what the ranks have computed so far (``model.flops.Work``: tokens and FLOPs, counted on the host
+from each micro-batch, so the job's token and FLOP counts cost no collective of their own); its result is
+copied to the host without blocking and read one step later, when it is long complete. Only logging,
+evaluation, checkpoint and stopping steps read the current step's values at once.
 
 Time accounting (``training.clock.Clock``): the throughput window holds only the training steps after the
 warm-up ones; time spent evaluating, saving and logging is paused out of it and reported as ``eval_s``,
@@ -24,20 +26,22 @@ import os
 import socket
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from common.log import get_logger
+from model.flops import NO_WORK, Work, WorkCounter
 from training import collectives, events
 from training.checkpointer import Checkpointer, EventLog
 from training.clock import Clock, peak_memory_bytes
 from training.config import TrainSection
+from training.devices import to_device
 from training.evaluate import evaluate
 from training.logbook import LOSS_PARTS, Logbook
-from training.metrics import mfu, tflops_per_device, throughput
+from training.metrics import flops_per_sec_per_device, mfu, throughput
 from training.watch import DataWatchdog, StopRequest
 
 log = get_logger("train")
@@ -50,9 +54,12 @@ class TrainState:
     step: int = 0
     samples: int = 0
     tokens: int = 0
+    """Positions computed (``training.metrics``' convention), every rank's, since the run's first step."""
+    flops: float = 0.0
+    """Their training FLOPs (``model.flops``)."""
 
-    def to_dict(self) -> dict[str, int]:
-        return {"step": self.step, "samples": self.samples, "tokens": self.tokens}
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "samples": self.samples, "tokens": self.tokens, "flops": self.flops}
 
 
 class StepReduction:
@@ -70,6 +77,7 @@ class StepReduction:
         self.host: torch.Tensor | None = None
         self.event: Any = None  # the accelerator's Event (DeepSpeed's abstraction: untyped)
         self.pending: int | None = None  # the step whose values are in flight
+        self.counts: list[float] = []  # the trainer's cumulative counts, summed over the ranks, as of ``step``
         self.step = 0  # the newest step whose values are on the host
         self.values: dict[str, float] = {}
         self.flags: dict[str, float] = dict.fromkeys(self.FLAGS, 0.0)  # summed over the ranks, as of ``step``
@@ -87,18 +95,22 @@ class StepReduction:
         if not self.names:
             self.names = ["loss", *(k for k in LOSS_PARTS if k in out)]
             pinned = self.device.type == "cuda"
-            self.host = torch.zeros(len(self.names) + len(self.FLAGS), dtype=torch.float64, pin_memory=pinned)
+            size = len(self.names) + len(self.FLAGS) + self.n_counts
+            self.host = torch.zeros(size, dtype=torch.float64, pin_memory=pinned)
         return self.names
 
-    def launch(self, step: int, sums: torch.Tensor, **flags: bool) -> None:
-        """Start the step's collective: ``sums`` (the loss pieces) and this rank's ``flags`` (names from
-        ``FLAGS``; those not given are off)."""
+    n_counts = 2 * len(astuple(NO_WORK))
+
+    def launch(self, step: int, sums: torch.Tensor, counts: list[float], **flags: bool) -> None:
+        """Start the step's collective: ``sums`` (the loss pieces), this rank's ``counts`` (``n_counts``
+        numbers, summed over the ranks) and ``flags`` (names from ``FLAGS``; those not given are off)."""
         unknown = set(flags) - set(self.FLAGS)
         assert not unknown, unknown
-        on = torch.zeros(len(self.FLAGS), dtype=torch.float64, device=self.device)  # a fill, not a copy
-        for i, name in enumerate(self.FLAGS):
-            if flags.get(name):
-                on[i] = 1.0
+        assert len(counts) == self.n_counts, counts
+        # the host's numbers in one copy, from pinned memory on CUDA: the host does not wait for the device
+        host = [1.0 if flags.get(name) else 0.0 for name in self.FLAGS] + [float(c) for c in counts]
+        on = torch.tensor(host, dtype=torch.float64, pin_memory=self.device.type == "cuda")
+        on = on.to(self.device, non_blocking=True)
         # the loss sums live on the compute device, the collective on the communication device (the CPU
         # under gloo, also with a GPU): one tensor on the latter
         vec = torch.cat([sums.to(self.device, torch.float64), on])
@@ -121,7 +133,8 @@ class StepReduction:
         vals = self.host.tolist()
         n = len(self.names)
         self.step, self.values = self.pending, dict(zip(self.names, vals[:n]))
-        self.flags = dict(zip(self.FLAGS, vals[n:]))
+        self.flags = dict(zip(self.FLAGS, vals[n : n + len(self.FLAGS)]))
+        self.counts = vals[n + len(self.FLAGS) :]
         self.stop = self.stop or self.flags["stop"] > 0
         self.pending = None
 
@@ -137,8 +150,7 @@ class Trainer:
         logbook: Logbook,
         events_to: EventLog,
         grad_accum: int,
-        seq_len: int,
-        flops_per_token: float,
+        count: WorkCounter,
         peak_flops: float | None,
         warmup_steps: int,
         log_every: int,
@@ -146,8 +158,7 @@ class Trainer:
         data_watchdog: DataWatchdog | None = None,
     ) -> None:
         self.engine, self.loader, self.eval_set = engine, loader, eval_set
-        self.cfg, self.grad_accum, self.seq_len = train, grad_accum, seq_len
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.cfg, self.grad_accum, self.count, self.peak_flops = train, grad_accum, count, peak_flops
         self.checkpointer, self.logbook, self.log_every = checkpointer, logbook, log_every
         self.events_to = events_to
         self.data_watchdog = data_watchdog
@@ -161,6 +172,11 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self.last_loss: float | None = None
         self.startup_s = 0.0  # process start to the first step (train.py sets it when the run is announced)
+        # what this start computed, as model.flops.Work: this rank's (all steps; the window's), and every
+        # rank's as of the reduction's newest step
+        self.work, self.window_work = NO_WORK, NO_WORK
+        self.job_work, self.job_window_work = NO_WORK, NO_WORK
+        self._base = (0, 0.0)  # tokens and FLOPs before this start (from the checkpoint)
 
     # ------------------------------------------------------------------ state
     def progress(self) -> dict[str, Any]:
@@ -168,12 +184,14 @@ class Trainer:
         return {**self.state.to_dict(), "loader": self.loader.state_dict()}
 
     def load_client_state(self, client: dict[str, Any]) -> None:
-        self.state = TrainState(client["step"], client["samples"], client["tokens"])
+        # "flops" is absent from checkpoints older than the counting convention: counted from here
+        self.state = TrainState(client["step"], client["samples"], client["tokens"], float(client.get("flops", 0.0)))
         self.loader.load_state_dict(client["loader"])
         self._iter = None
 
     # ------------------------------------------------------------------ steps
-    def _next_batch(self) -> dict[str, torch.Tensor]:
+    def _next_batch(self) -> tuple[dict[str, torch.Tensor], Work]:
+        """The next micro-batch on the device, and its work counted on the host."""
         t0 = time.perf_counter()
         watchdog = self.data_watchdog
         if watchdog is not None:
@@ -190,9 +208,7 @@ class Trainer:
                 watchdog.end()
         if self.clock.running:
             self.clock.data_wait_s += time.perf_counter() - t0
-        if self.device.type == "cuda":  # a copy from pinned memory does not make the host wait for the device
-            batch = {k: v.pin_memory() for k, v in batch.items()}
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return to_device(batch, self.device), self.count(batch)
 
     def train_step(self, reduction: StepReduction) -> float:
         """One optimizer step: grad_accum micro-batches, then DeepSpeed's step (clip, optimizer, schedule).
@@ -202,8 +218,11 @@ class Trainer:
         self.engine.train()
         lr = float(self.engine.get_lr()[0])
         sums: torch.Tensor | None = None
+        work = NO_WORK
         for _ in range(self.grad_accum):
-            out = self.engine(**self._next_batch())
+            batch, counted = self._next_batch()
+            work += counted
+            out = self.engine(**batch)
             self.engine.backward(out["loss"])
             self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             pieces = torch.stack([out[k].detach().float() for k in reduction.name_pieces(out)])
@@ -211,17 +230,30 @@ class Trainer:
         assert sums is not None
         self.state.step += 1
         self.state.samples += self.cfg.global_batch
-        self.state.tokens += self.cfg.global_batch * self.seq_len
+        self.work += work
+        if self.clock.running:  # the step is in the throughput window
+            self.window_work += work
         save = self.checkpointer.pending
         # Mean over the global batch: every micro-batch of every rank weighs the same.
         reduction.launch(
             self.state.step,
             sums / (self.grad_accum * self.world),
+            [*astuple(self.work), *astuple(self.window_work)],
             stop=self.stop.requested,
             save_written=save is not None and save.written,
             save_failed=save is not None and save.failed,
         )
         return lr
+
+    def _read(self, reduction: StepReduction) -> None:
+        """The step's collective read on the host, and the job's counts with it (``state.tokens``/``flops``)."""
+        reduction.read()
+        if reduction.counts:
+            half = len(reduction.counts) // 2
+            job, window = reduction.counts[:half], reduction.counts[half:]
+            self.job_work, self.job_window_work = Work(*map(round, job)), Work(*map(round, window))
+            self.state.tokens = self._base[0] + self.job_work.computed
+            self.state.flops = self._base[1] + float(self.job_work.flops)
 
     def evaluate(self) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -235,14 +267,17 @@ class Trainer:
         seconds = self.clock.seconds()
         if self.clock.measured_steps <= 0 or seconds <= 0:
             return {}
-        tp = throughput(self.clock.measured_steps * self.cfg.global_batch, seconds, self.seq_len, self.world)
+        window = self.job_window_work
+        tp = throughput(self.clock.measured_steps * self.cfg.global_batch, window.computed, seconds, self.world)
+        achieved = flops_per_sec_per_device(window.flops, seconds, self.world)
         return {
             "sequences_per_sec": tp.sequences_per_sec,
             "tokens_per_sec": tp.tokens_per_sec,
             "sequences_per_sec_per_device": tp.sequences_per_sec_per_device,
             "tokens_per_sec_per_device": tp.tokens_per_sec_per_device,
-            "tflops_per_device": tflops_per_device(tp.tokens_per_sec_per_device, self.flops_per_token),
-            "mfu": mfu(tp.tokens_per_sec_per_device, self.flops_per_token, self.peak_flops),
+            "tflops_per_device": achieved / 1e12,
+            "mfu": mfu(achieved, self.peak_flops),
+            "flops_per_token": window.flops / window.computed if window.computed else None,
             "data_wait_fraction": self.clock.data_wait_s / seconds,
         }
 
@@ -270,6 +305,7 @@ class Trainer:
         start_step = self.state.step
         warm_until = start_step + self.clock.warmup_steps
         reduction = StepReduction(collectives.comm_device())
+        self._base = (self.state.tokens, self.state.flops)
         stopped = ""
         t_loop = time.perf_counter()
         ckpt.begin(start_step, self.clock.warmup_steps)
@@ -292,7 +328,7 @@ class Trainer:
             if do_log or do_eval or do_save or stop_here:
                 was_running = self.clock.running
                 self.clock.close()  # the window holds training steps only
-                reduction.read()
+                self._read(reduction)
                 if do_eval:
                     self.last_eval = self.evaluate()
                 if do_log:
@@ -306,13 +342,14 @@ class Trainer:
                 stopped = "stop_at_step"
                 break
             if reduction.stop:
+                self._read(reduction)  # the counts the stop's event records are this step's
                 self._stopping(step)
                 stopped = "sigterm"
                 break
         if self.clock.measured_steps == 0:  # every step was a warm-up step
             self.clock.warmup_s = self.clock.steps_outside(t_loop)
         self.clock.close()
-        reduction.read()
+        self._read(reduction)
         if reduction.values and reduction.step == self.state.step:
             self.last_loss = reduction.values["loss"]
         perf = self.performance()
@@ -325,7 +362,13 @@ class Trainer:
         step = self.state.step
         if step != ckpt.last_saved and (stopped != "sigterm" or ckpt.fits_after_sigterm(step, self.stop.at)):
             ckpt.save(step, self.progress())
-        return {**perf, **self.clock.breakdown(), "measured_steps": self.clock.measured_steps, "stopped": stopped}
+        return {
+            **perf,
+            **self.clock.breakdown(),
+            "measured_steps": self.clock.measured_steps,
+            "padding_fraction": self.job_work.padding_fraction,
+            "stopped": stopped,
+        }
 
     def _stopping(self, step: int) -> None:
         why = self.stop.reason or "another rank's SIGTERM or launcher loss"
@@ -337,6 +380,8 @@ class Trainer:
                 attempt=self.events_to.attempt,
                 rank=collectives.rank(),
                 step=step,
+                tokens=self.state.tokens,
+                flops=self.state.flops,
                 why=self.stop.reason,
             )
         log.warning(f"SIGTERM: stopping after step {step} ({why}); saving, exit code {EXIT_PREEMPTED}")

@@ -80,7 +80,7 @@ def main() -> int:
             engine.step()
     dist.barrier()
     seconds = time.perf_counter() - t0
-    tp = throughput((steps - warmup) * gbatch, seconds, seq, world)
+    tp = throughput((steps - warmup) * gbatch, (steps - warmup) * gbatch * seq, seconds, world)
     if rank == 0:
         run_dir = Path(cfg["run"]["dir"])
         resolved = dict(cfg, world_size=world)
