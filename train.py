@@ -311,4 +311,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from common.process import exit_fast
+
+    exit_fast(main())

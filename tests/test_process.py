@@ -1,0 +1,48 @@
+"""common.process.exit_fast: the exit code, the atexit handlers, logging and stdio, as a normal exit gives them;
+a non-daemon thread still running is waited for."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO, run_env
+
+SCRIPT = """
+import atexit, logging, sys, threading, time
+from common.process import exit_fast
+out = sys.argv[1]
+atexit.register(lambda: open(out + ".atexit", "w").write("ran"))
+handler = logging.FileHandler(out + ".log")
+logging.getLogger("t").addHandler(handler)
+logging.getLogger("t").warning("logged")
+if sys.argv[2] == "thread":
+    threading.Thread(target=lambda: (time.sleep(0.5), open(out + ".thread", "w").write("done"))).start()
+sys.stdout.write("no newline, buffered")
+exit_fast(3)
+"""
+
+
+def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "f"), mode],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_exit_fast_keeps_what_a_normal_exit_gives(tmp_path: Path) -> None:
+    r = _run(tmp_path, "plain")
+    assert r.returncode == 3 and r.stdout == "no newline, buffered", (r.returncode, r.stdout, r.stderr)
+    assert (tmp_path / "f.atexit").read_text() == "ran"
+    assert (tmp_path / "f.log").read_text() == "logged\n"
+
+
+def test_exit_fast_waits_for_a_non_daemon_thread(tmp_path: Path) -> None:
+    r = _run(tmp_path, "thread")
+    assert r.returncode == 3, r.stderr
+    assert (tmp_path / "f.thread").read_text() == "done" and (tmp_path / "f.atexit").read_text() == "ran"
