@@ -298,7 +298,8 @@ def unpadding_index(attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _unpack(kind: str, packed: torch.Tensor, widths: list[int], unpad: bool = False) -> dict[str, torch.Tensor]:
     """Packed int32 rows -> the micro-batch dict: long tensors under the schema's batch keys
-    (BERT adds float ``masked_lm_weights``, and with ``unpad`` the keys of :func:`unpadding_index`)."""
+    (BERT adds float ``masked_lm_weights``, ``min_seqlen`` (0-d int64, its shortest row: a padded model needs no
+    attention mask when it is the full width), and with ``unpad`` the keys of :func:`unpadding_index`)."""
     schema = h5format.SCHEMAS[kind]
     parts = torch.split(packed.long(), widths, dim=1)
     batch = {
@@ -308,8 +309,11 @@ def _unpack(kind: str, packed: torch.Tensor, widths: list[int], unpad: bool = Fa
     if "masked_lm_positions" in batch:
         # NVIDIA's reader: predictions run up to the first zero position (position 0 is always [CLS])
         batch["masked_lm_weights"] = torch.cumprod((batch["masked_lm_positions"] != 0).float(), dim=1)
-    if unpad and "attention_mask" in batch:
-        batch.update(unpadding_index(batch["attention_mask"]))
+    if "attention_mask" in batch:
+        lengths = (batch["attention_mask"] != 0).sum(1)
+        batch["min_seqlen"] = lengths.min() if len(lengths) else lengths.new_zeros(())
+        if unpad:
+            batch.update(unpadding_index(batch["attention_mask"]))
     return batch
 
 

@@ -117,14 +117,17 @@ class BertPretraining(nn.Module):
         unpad_indices: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | torch.Tensor | None = None,
+        min_seqlen: int | torch.Tensor | None = None,
         **_: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         """Returns ``loss`` (MLM mean over real predictions + NSP mean) and the pieces for metrics.
 
         ``unpad_indices`` / ``cu_seqlens`` / ``max_seqlen``: the loader's unpadding keys (computed when absent).
+        ``min_seqlen``: the shortest row, on the host (the loader's): the padded path passes ``transformers`` no
+        attention mask when no row is padded, so its mask code has nothing to check on the device.
         """
         if self.unpad:
-            pack = unpadding.packing(attention_mask, unpad_indices, cu_seqlens, max_seqlen)
+            pack = unpadding.packing(attention_mask, unpad_indices, cu_seqlens, max_seqlen, min_seqlen)
             bert: Any = self.hf.bert  # BertModel | MegatronBertModel, walked module by module
             packed = unpadding.encode(
                 bert, self.spec.pre_layernorm, input_ids, token_type_ids, pack, self.attention_kernel
@@ -134,7 +137,9 @@ class BertPretraining(nn.Module):
             gathered = packed[rows[:, 1:]]  # [B, P, H]
             pooled = bert.pooler(packed[rows[:, :1]])
         else:
-            out = self.hf.bert(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=attention_mask)
+            full = unpadding.host_int(min_seqlen) == input_ids.size(1)  # no row padded
+            mask = None if full else attention_mask
+            out = self.hf.bert(input_ids=input_ids, token_type_ids=token_type_ids, attention_mask=mask)
             sequence, pooled = out[0], out[1]
             index = masked_lm_positions.unsqueeze(-1).expand(-1, -1, sequence.size(-1))
             gathered = torch.gather(sequence, 1, index)  # [B, P, H]

@@ -48,8 +48,9 @@ from data.loader import unpadding_index
 
 UNPAD_KEYS = ("unpad_indices", "cu_seqlens", "max_seqlen")
 """Micro-batch keys of the unpadding (``data.loader.unpadding_index``)."""
-HOST_KEYS = frozenset({"max_seqlen"})
-"""Keys a trainer should leave on the host when it moves a batch to the device (exact kernel sizes, no sync)."""
+HOST_KEYS = frozenset({"max_seqlen", "min_seqlen"})
+"""Keys a trainer should leave on the host when it moves a batch to the device (exact kernel sizes and the
+padded path's choice of mask, no sync). ``min_seqlen``: every BERT micro-batch's shortest row (the loader's)."""
 
 KERNELS = ("jagged", "loop", "padded")
 
@@ -73,13 +74,17 @@ class Packing:
     the recomputed tensors as different from the saved ones."""
     lengths: tuple[int, ...] | None = None
     """The sequences' real lengths on the host, when ``cu_seqlens`` came on the host (CPU training)."""
+    shortest: int | None = None
+    """The shortest sequence, when the loader gave it on the host (``min_seqlen``)."""
 
     @property
     def min_seqlen(self) -> int:
-        """The shortest sequence: exact from host lengths, else 1 (a lower bound: every BERT row has its [CLS]).
-        Given to the jagged tensors so that SDPA's kernel choice (which refuses empty sequences) reads no device
-        value."""
-        return min(self.lengths, default=0) if self.lengths is not None else 1
+        """The shortest sequence: exact from host lengths or the loader's ``min_seqlen``, else 1 (a lower bound:
+        every BERT row has its [CLS]). Given to the jagged tensors so that SDPA's kernel choice (which refuses
+        empty sequences) reads no device value."""
+        if self.lengths is not None:
+            return min(self.lengths, default=0)
+        return self.shortest if self.shortest is not None else 1
 
     @property
     def positions(self) -> torch.Tensor:
@@ -97,7 +102,8 @@ class Packing:
         return rank[starts.view(-1, *([1] * (positions.dim() - 1))) + positions].clamp(min=0)
 
 
-def _host_int(value: Any) -> int | None:
+def host_int(value: Any) -> int | None:
+    """``value`` as an int when it can be read without the device (a Python int or a CPU tensor), else None."""
     if isinstance(value, int):
         return value
     if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel() == 1:
@@ -110,13 +116,14 @@ def packing(
     unpad_indices: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | torch.Tensor | None = None,
+    min_seqlen: int | torch.Tensor | None = None,
 ) -> Packing:
     """The batch's :class:`Packing`: from the loader's keys when given, else computed from the mask."""
     b, s = attention_mask.shape
     if unpad_indices is None or cu_seqlens is None:
         index = unpadding_index(attention_mask)  # nonzero: waits for the device; direct callers only
         unpad_indices, cu_seqlens, max_seqlen = index["unpad_indices"], index["cu_seqlens"], index["max_seqlen"]
-    exact = _host_int(max_seqlen)
+    exact = host_int(max_seqlen)
     on_host = cu_seqlens.device.type == "cpu"
     cu_seqlens = cu_seqlens.to(attention_mask.device, torch.int32)
     return Packing(
@@ -127,6 +134,7 @@ def packing(
         seq_len=s,
         offsets=cu_seqlens.long(),
         lengths=tuple((cu_seqlens[1:] - cu_seqlens[:-1]).tolist()) if on_host else None,
+        shortest=host_int(min_seqlen),
     )
 
 

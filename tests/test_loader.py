@@ -230,11 +230,13 @@ def test_batch_fields(shards: Path, wiki_vocab: Path) -> None:
         "masked_lm_ids",
         "masked_lm_weights",
         "next_sentence_labels",
+        "min_seqlen",  # the shortest row, on the host: a padded model needs no mask when it is the full width
     }
     for k, v in b.items():
         assert v.dtype == (torch.float32 if k == "masked_lm_weights" else torch.long), k
     assert b["input_ids"].shape == (6, 128) and b["masked_lm_positions"].shape == (6, 20)
     assert b["next_sentence_labels"].shape == (6,)
+    assert b["min_seqlen"].shape == () and int(b["min_seqlen"]) == int(b["attention_mask"].sum(1).min())
     w, pos = b["masked_lm_weights"], b["masked_lm_positions"]
     assert torch.equal(w, (torch.cumprod((pos != 0).long(), dim=1)).float())
     assert (w.sum(1) > 0).all() and ((w == 0) == (pos == 0)).all()
@@ -364,6 +366,7 @@ def test_eval_set_fixed_and_split_over_any_world(shards: Path, all_keys: list[st
         "masked_lm_ids",
         "masked_lm_weights",
         "next_sentence_labels",
+        "min_seqlen",  # the shortest row, on the host: a padded model needs no mask when it is the full width
     }
     assert b["input_ids"].shape == (5, 128)
     total = len(all_keys)

@@ -145,6 +145,28 @@ def test_sparse_mlm_loss_equals_bert_for_pretraining(pre_ln, unpad):
     torch.testing.assert_close(out["loss"], ref.loss, rtol=1e-5, atol=1e-6)
 
 
+def test_padded_path_passes_no_mask_when_no_row_is_padded():
+    """The loader's host ``min_seqlen`` tells the padded path (``model.unpad=false``) that no row is padded: it
+    calls ``transformers`` without an attention mask, so its mask code has nothing to check on the device (a
+    host sync on an accelerator), and the loss is the one with the all-ones mask. A padded row keeps the mask."""
+    torch.manual_seed(0)
+    spec = get_spec("bert-debug", vocab_size=1000, dropout=0.0)
+    model = build_model(spec, unpad=False).eval()
+    seen: list = []
+    model.hf.bert.register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(kwargs["attention_mask"]), with_kwargs=True
+    )
+    full = _bert_batch(spec)
+    full["attention_mask"] = torch.ones_like(full["attention_mask"])
+    with_mask = model(**full)["loss"]
+    without = model(**full, min_seqlen=torch.tensor(32))["loss"]
+    assert seen[0] is full["attention_mask"] and seen[1] is None
+    torch.testing.assert_close(without, with_mask, rtol=1e-6, atol=0)
+    padded = _bert_batch(spec)
+    model(**padded, min_seqlen=padded["attention_mask"].sum(1).min())
+    assert seen[2] is padded["attention_mask"]
+
+
 def test_megatron_sdpa_matches_eager_attention():
     torch.manual_seed(0)
     spec = get_spec("bert-debug", vocab_size=1000, pre_layernorm=True, dropout=0.0)

@@ -27,6 +27,7 @@ BATCH_KEYS = {
     "masked_lm_ids",
     "masked_lm_weights",
     "next_sentence_labels",
+    "min_seqlen",
 }
 FP32_EPS = 2.0**-23  # a relative error below FP32's rounding counts as that rounding
 
@@ -118,6 +119,7 @@ def test_collate_builds_the_unpadding_index():
     assert got["unpad_indices"].dtype == torch.long and got["unpad_indices"].tolist() == expected_indices
     assert got["cu_seqlens"].dtype == torch.int32 and got["cu_seqlens"].tolist() == [0, 5, 13, 16, 24, 25]
     assert got["max_seqlen"].shape == () and got["max_seqlen"].device.type == "cpu" and int(got["max_seqlen"]) == 8
+    assert int(got["min_seqlen"]) == 1
     assert torch.equal(
         got["input_ids"].reshape(-1)[got["unpad_indices"]], torch.cat([torch.arange(1, n + 1) for n in lengths])
     )

@@ -101,11 +101,13 @@ class StepReduction:
 
     n_counts = 2 * len(astuple(NO_WORK))
 
-    def launch(self, step: int, sums: torch.Tensor, counts: list[float], **flags: bool) -> None:
+    def launch(self, step: int, sums: torch.Tensor, counts: list[float] | None = None, **flags: bool) -> None:
         """Start the step's collective: ``sums`` (the loss pieces), this rank's ``counts`` (``n_counts``
-        numbers, summed over the ranks) and ``flags`` (names from ``FLAGS``; those not given are off)."""
+        numbers, summed over the ranks; none: zeros) and ``flags`` (names from ``FLAGS``; those not given are
+        off)."""
         unknown = set(flags) - set(self.FLAGS)
         assert not unknown, unknown
+        counts = [0.0] * self.n_counts if counts is None else counts
         assert len(counts) == self.n_counts, counts
         # the host's numbers in one copy, from pinned memory on CUDA: the host does not wait for the device
         host = [1.0 if flags.get(name) else 0.0 for name in self.FLAGS] + [float(c) for c in counts]
