@@ -281,6 +281,7 @@ def run_ours(
         "measured_steps",
         "data_wait_fraction",
         "padding_fraction",
+        "first_step_s",
         "final_loss",
     )
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)

@@ -105,19 +105,22 @@ def test_bench_train(bench_data: dict[str, Path]) -> None:
 
 
 @pytest.mark.slow
-def test_bench_unpad(bench_data: dict[str, Path]) -> None:
-    """Both sides ran and reported the padding of what they read; the ratios are the medians' quotients."""
+def test_bench_switch(bench_data: dict[str, Path]) -> None:
+    """model.unpad on and off: both sides ran and reported the padding of what they read and their first step;
+    the ratios are the medians' quotients."""
     out = run_bench(
-        "bench_unpad.py",
+        "bench_switch.py",
         *("--work", str(bench_data["work"]), "--model", "bert-debug", "--seqs", "128:20"),
         *("--steps", "2", "--warmup", "1", "--repeats", "1", "--micro-batch", "2", "--global-batch", "4"),
     )
     (row,) = figures(
-        rf"^\| 128 \| 20 \| {NUM}% \| {NUM} \| {NUM} \| {NUM}x \| {NUM} \| {NUM} \| {NUM}x \| {NUM}x \|", out
+        rf"^\| 128 \| 20 \| {NUM}% \| {NUM} \| {NUM} \| {NUM}x \| {NUM} \| {NUM} \| {NUM}x \| {NUM} \| {NUM} \| "
+        rf"{NUM}x \|",
+        out,
     )
-    pad, on, off, ratio, on_cpu, off_cpu, cpu_ratio, ideal = row
+    pad, on, off, ratio, on_cpu, off_cpu, cpu_ratio, first_on, first_off, ideal = row
     assert 0 < pad < 100 and ideal == pytest.approx(1 / (1 - pad / 100), abs=0.01)
-    assert min(on, off, on_cpu, off_cpu) > 0
+    assert min(on, off, on_cpu, off_cpu, first_on, first_off) > 0
     assert ratio == pytest.approx(on / off, rel=0.03) and cpu_ratio == pytest.approx(on_cpu / off_cpu, rel=0.03)
 
 

@@ -175,6 +175,8 @@ def test_run_writes_metrics_and_summary(straight_run):
     achieved = summary["tokens_per_sec_per_device"] * summary["flops_per_token"]
     assert summary["tflops_per_device"] * 1e12 == pytest.approx(achieved, rel=1e-12)
     assert summary["mfu"] == pytest.approx(achieved / summary["peak_flops_per_device"], rel=1e-12)
+    # the first step (compilation, when model.compile is on) is reported apart, inside the warm-up's time
+    assert 0 < summary["first_step_s"] <= summary["warmup_s"]
     assert 0 <= summary["eval_mlm_accuracy"] <= 1 and 0 <= summary["eval_nsp_accuracy"] <= 1
     assert summary["eval_samples"] == 32 and summary["attempt"] == 1 and summary["stopped"] == ""
     records = [json.loads(x) for x in (straight_run / "metrics.jsonl").read_text().splitlines()]

@@ -198,6 +198,9 @@ def build_engine(
     import deepspeed
 
     from model.build import build_model
+    from model.compile import compile_blocks
+    from model.compile import wanted as compile_wanted
+    from training import collectives
     from training.lans import attach_zero, build_optimizer, param_groups
     from training.schedules import build_scheduler
     from training.zero_init import build_partitioned, local_numel
@@ -213,6 +216,8 @@ def build_engine(
         log.info(f"built under zero.Init: this rank holds {held:,} of {whole:,} parameters")
     else:
         model = build_model(spec, attention=attention, activation_checkpointing=ckpt, unpad=model_cfg.unpad)
+    if compile_wanted(model_cfg.compile, collectives.accelerator().device_name()):
+        log.info(f"model.compile: compiling {compile_blocks(model)} transformer-block modules (dynamic shapes)")
     seed_everything(train.seed + 1000 * rank)  # rank-specific dropout streams
     optimizer = build_optimizer(
         opt.name,

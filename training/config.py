@@ -45,6 +45,10 @@ class ModelSection:
     tokens, variable-length attention); tokens/s, TFLOP/s and MFU then count only those tokens
     (``training.metrics``). false runs ``transformers``' padded forward, which computes and counts every
     position. GPT-NeoX ignores it: its packed windows have no padding."""
+    compile: bool | None = None
+    """``torch.compile`` the transformer blocks (``model.compile``: dynamic shapes; a failed compile warns once
+    and runs eager; the first step, compile included, is reported as ``first_step_s``). null: on for
+    accelerators, off on CPU, where compiling would slow every start by tens of seconds."""
     dropout: float | None = None
     """Override the size's dropout (BERT 0.1, GPT-NeoX 0.0)."""
     vocab_size: int | None = None

@@ -178,6 +178,7 @@ class RunSummary:
     mfu: float | None = None
     data_wait_fraction: float | None = None
     padding_fraction: float | None = None  # padded positions / positions read, this start (model.flops.Work)
+    first_step_s: float | None = None  # this start's first step, compilation included (outside the window)
     goodput: dict[str, Any] | None = None
     segments: dict[str, Any] | None = None  # training.events.segments: figures per world size, and totals
     evaluation: dict[str, float] = field(default_factory=dict)

@@ -36,7 +36,7 @@ from common.log import get_logger
 from model.flops import NO_WORK, Work, WorkCounter
 from training import collectives, events
 from training.checkpointer import Checkpointer, EventLog
-from training.clock import Clock, peak_memory_bytes
+from training.clock import Clock, peak_memory_bytes, synchronize
 from training.config import TrainSection
 from training.devices import to_device
 from training.evaluate import evaluate
@@ -179,6 +179,7 @@ class Trainer:
         self.work, self.window_work = NO_WORK, NO_WORK
         self.job_work, self.job_window_work = NO_WORK, NO_WORK
         self._base = (0, 0.0)  # tokens and FLOPs before this start (from the checkpoint)
+        self.first_step_s: float | None = None  # this start's first step: a warm-up step, never in the window
 
     # ------------------------------------------------------------------ state
     def progress(self) -> dict[str, Any]:
@@ -315,7 +316,11 @@ class Trainer:
             if not self.clock.running and self.state.step >= warm_until:
                 self.clock.open()
                 self.clock.warmup_s = self.clock.steps_outside(t_loop)
+            t_step = time.perf_counter()
             lr = self.train_step(reduction)
+            if self.first_step_s is None:  # compilation (model.compile) and first-touch allocations included
+                synchronize()
+                self.first_step_s = time.perf_counter() - t_step
             step = self.state.step
             if not ckpt.follow(step, reduction.step, reduction.saves_written, reduction.save_failed, self.world):
                 stopped = "save_failed"  # every rank at this step; finish_pending raises the line
@@ -369,6 +374,7 @@ class Trainer:
             **self.clock.breakdown(),
             "measured_steps": self.clock.measured_steps,
             "padding_fraction": self.job_work.padding_fraction,
+            "first_step_s": self.first_step_s,
             "stopped": stopped,
         }
 

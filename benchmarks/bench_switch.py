@@ -1,17 +1,20 @@
-"""BERT with and without unpadding (``model.unpad``): our ``train.py`` both ways, side by side in one run.
+"""A BERT speed switch on and off: our ``train.py`` both ways, side by side in one run.
 
-Same shards (built from the enwiki sample by ``bench_train.build_data``, one set per sequence length), same
-model, batches and settings as ``bench_train.py``'s "ours" column (BF16, AdamW, ZeRO-0, one process); the only
-difference is ``model.unpad=true`` (the encoder computes the real tokens only) or ``false`` (``transformers``'
-padded forward). Each (sequence length, side) runs ``--repeats`` times, the sides interleaved with alternating
-order; the table shows the medians of sequences/s and of sequences per CPU-second of the training process
-(less sensitive to other load), and the padding fraction of what the runs read (their summaries'
-``padding_fraction``). ``1/(1-p)`` is the gain if every cost scaled with the tokens computed: the linears do,
+``--switch model.unpad`` (the default): the encoder computes the real tokens only, or ``transformers``' padded
+forward. ``--switch model.compile``: compiled transformer blocks, or eager. Same shards (built from the enwiki
+sample by ``bench_train.build_data``, one set per sequence length), same model, batches and settings as
+``bench_train.py``'s "ours" column (BF16, AdamW, ZeRO-0, one process); the only difference is the switch.
+Each (sequence length, side) runs ``--repeats`` times, the sides interleaved with alternating order; the
+table shows the medians of sequences/s and of sequences per CPU-second of the training process (less
+sensitive to other load), the padding fraction of what the runs read (their summaries' ``padding_fraction``)
+and the first step's time (``first_step_s``: compilation included, outside the throughput window). For
+``model.unpad``, ``1/(1-p)`` is the gain if every cost scaled with the tokens computed: the linears do,
 attention falls faster (``n**2``), and what does not shrink (the optimizer step, the MLM head at ``max_pred``
 positions, the NSP head, the loader, the unpadding's gathers) pulls the gain below it.
 
-    python benchmarks/bench_unpad.py                                     # bert-10m, seq 128 and 512
-    python benchmarks/bench_unpad.py --model bert-base --steps 6 --warmup 2 --micro-batch 4 --global-batch 8
+    python benchmarks/bench_switch.py                                    # model.unpad, bert-10m, seq 128 and 512
+    python benchmarks/bench_switch.py --switch model.compile --seqs 128:20
+    python benchmarks/bench_switch.py --model bert-base --steps 6 --warmup 2 --micro-batch 4 --global-batch 8
 
 Toy size (CI, seconds, not a measurement): ``--model bert-debug --seqs 128:20 --steps 2 --warmup 1 --repeats
 1 --micro-batch 2 --global-batch 4``.
@@ -32,12 +35,14 @@ from benchmarks.bench_train import Ports, build_data, run_ours  # noqa: E402
 from common.errors import UserError, run_cli  # noqa: E402
 from common.log import get_logger  # noqa: E402
 
-log = get_logger("bench_unpad")
+log = get_logger("bench_switch")
+SWITCHES = ("model.unpad", "model.compile")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default="/tmp/bench_train", help="text, vocabulary, shards, runs (bench_train's)")
+    p.add_argument("--switch", default="model.unpad", choices=SWITCHES, help="the setting run true and false")
     p.add_argument("--model", default="bert-10m", help="a BERT registry name")
     p.add_argument("--seqs", default="128:20,512:80", help="comma list of seq_len:max_pred")
     p.add_argument("--steps", type=int, default=20, help="measured optimizer steps (after --warmup)")
@@ -57,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from model.registry import get_spec
 
     if get_spec(args.model).family != "bert":
-        raise UserError(f"--model {args.model}: unpadding is BERT's; give a BERT size")
+        raise UserError(f"--model {args.model}: give a BERT size (the switches are measured on BERT)")
     try:
         seqs = [tuple(int(x) for x in item.split(":")) for item in args.seqs.split(",") if item.strip()]
         assert seqs and all(len(s) == 2 for s in seqs)
@@ -74,25 +79,26 @@ def main(argv: list[str] | None = None) -> int:
         paths = build_data(work, run_args, kinds=("bert",))
         runs: dict[str, list[dict]] = {"true": [], "false": []}
         for rep in range(args.repeats):
-            for unpad in ("true", "false") if rep % 2 == 0 else ("false", "true"):
-                tag = f"unpad-{args.model}-{seq}-{unpad}-r{rep}"
-                rec = run_ours(args.model, "bert", paths, run_args, tag, ports, extra=(f"model.unpad={unpad}",))
-                runs[unpad].append(rec)
+            for side in ("true", "false") if rep % 2 == 0 else ("false", "true"):
+                tag = f"{args.switch}-{args.model}-{seq}-{side}-r{rep}"
+                rec = run_ours(args.model, "bert", paths, run_args, tag, ports, extra=(f"{args.switch}={side}",))
+                runs[side].append(rec)
                 log.info(f"{tag}: {rec['sequences_per_sec']:.2f} seq/s, {rec['sequences_per_cpu_sec']:.2f} seq/CPU-s")
         med = {
             (side, key): statistics.median(r[key] for r in runs[side])
             for side in runs
-            for key in ("sequences_per_sec", "sequences_per_cpu_sec", "padding_fraction")
+            for key in ("sequences_per_sec", "sequences_per_cpu_sec", "padding_fraction", "first_step_s")
         }
         rows.append((seq, max_pred, med, runs))
     print(
-        f"\nBERT {args.model} with and without unpadding, CPU, BF16, 1 process x {args.threads} thread(s), micro "
+        f"\nBERT {args.model}, {args.switch} on and off, CPU, BF16, 1 process x {args.threads} thread(s), micro "
         f"batch {args.micro_batch}, global batch {args.global_batch}; {args.steps} measured steps after "
         f"{args.warmup} warm-up; median of {args.repeats} interleaved runs. "
         f"Wall {time.perf_counter() - t_start:.0f}s.\n"
     )
-    head = ["seq", "max_pred", "padding", "unpadded seq/s", "padded seq/s", "ratio"]
-    head += ["unpadded seq/CPU-s", "padded seq/CPU-s", "CPU ratio", "1/(1-p)"]
+    head = ["seq", "max_pred", "padding", "on seq/s", "off seq/s", "ratio"]
+    head += ["on seq/CPU-s", "off seq/CPU-s", "CPU ratio", "on first step s", "off first step s"]
+    head += ["1/(1-p)"] if args.switch == "model.unpad" else []
     print("| " + " | ".join(head) + " |\n|" + "|".join("---" for _ in head) + "|")
     for seq, max_pred, med, _ in rows:
         pad = med[("true", "padding_fraction")]
@@ -100,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("sequences_per_sec", "sequences_per_cpu_sec"):
             on, off = med[("true", key)], med[("false", key)]
             cells += [f"{on:.2f}", f"{off:.2f}", f"{on / off:.2f}x"]
-        cells.append(f"{1 / (1 - pad):.2f}x")
+        cells += [f"{med[(side, 'first_step_s')]:.2f}" for side in ("true", "false")]
+        if args.switch == "model.unpad":
+            cells.append(f"{1 / (1 - pad):.2f}x")
         print("| " + " | ".join(cells) + " |")
     return 0
 

@@ -1,0 +1,112 @@
+"""Compiled transformer blocks (``model.compile``): ``torch.compile`` with dynamic shapes, eager on failure.
+
+What is compiled, per family (the modules keep their names, parameters and hooks: each one's ``forward`` is
+replaced by a guarded compiled call, so checkpoints, the Hugging Face export, ZeRO-3's gathering hooks and
+activation checkpointing see the same modules):
+
+* BERT: each layer's dense part, the modules both the padded and the unpadded encoder call (the attention's
+  output projection with its residual and LayerNorm, the FFN's two halves, and the pre-LN sizes' LayerNorms).
+  Attention itself stays eager: variable-length attention (``model.unpad``) works on a ragged layout whose
+  per-sequence loop or nested tensors would be re-traced for every new set of lengths.
+* GPT-NeoX: each whole ``GPTNeoXLayer`` (fixed-length windows, causal SDPA).
+
+Dynamic shapes (``dynamic=True``): under unpadding the token count changes every micro-batch; each module is
+compiled once for any length, which ``compile_count`` lets a test check. A module whose compilation fails
+(a backend error, an unsupported operation) warns once for the whole model and runs eager from then on; errors
+of the computation itself are not caught.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from common.log import get_logger
+
+log = get_logger("model.compile")
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean "compilation failed" (not "the computation failed")."""
+    import torch._dynamo.exc as dynamo_exc
+
+    errors: list[type[BaseException]] = [dynamo_exc.TorchDynamoException]
+    try:
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    except ImportError:  # older torch: inductor errors arrive as BackendCompilerFailed
+        pass
+    return tuple(errors)
+
+
+def compiled_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules :func:`compile_blocks` compiles in ``model`` (``BertPretraining`` or ``NeoxPretraining``)."""
+    hf: Any = getattr(model, "hf", None)
+    if hf is None:
+        raise ValueError(f"{type(model).__name__}: not a pre-training model of this project")
+    if hasattr(hf, "gpt_neox"):
+        return list(hf.gpt_neox.layers)
+    out: list[nn.Module] = []
+    for layer in hf.bert.encoder.layer:
+        names: tuple[str, ...] = ("attention.output", "intermediate", "output")
+        if hasattr(layer, "ln"):  # MegatronBertLayer (pre-LN): its two LayerNorms too
+            names += ("attention.ln", "ln")
+        out += [layer.get_submodule(n) for n in names]
+    return out
+
+
+class _Fallback:
+    """Shared by one model's compiled modules: after the first compilation failure, all of them run eager."""
+
+    def __init__(self) -> None:
+        self.failed: str | None = None
+
+    def fail(self, error: BaseException) -> None:
+        if self.failed is None:
+            cause = getattr(error, "inner_exception", None) or error.__cause__ or error  # the backend's own error
+            text = str(cause).strip()
+            self.failed = f"{type(cause).__name__}: {text.splitlines()[0][:200] if text else ''}"
+            log.warning(f"model.compile: compiling a transformer block failed, running eager instead ({self.failed})")
+
+
+def _guarded(eager: Callable[..., Any], backend: Any, fallback: _Fallback) -> Callable[..., Any]:
+    compiled = torch.compile(eager, dynamic=True, backend=backend)
+    errors = _compile_errors()
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if fallback.failed is None:
+            try:
+                return compiled(*args, **kwargs)
+            except errors as e:
+                fallback.fail(e)
+        return eager(*args, **kwargs)
+
+    return forward
+
+
+def compile_blocks(model: nn.Module, backend: Any = "inductor") -> int:
+    """Compile ``model``'s transformer blocks in place (see the module docstring); the number of modules."""
+    fallback = _Fallback()
+    modules = compiled_modules(model)
+    for m in modules:
+        m.forward = _guarded(m.forward, backend, fallback)
+    object.__setattr__(model, "compile_fallback", fallback)  # what a test or a report can read
+    return len(modules)
+
+
+def compile_count() -> int:
+    """Graphs ``torch.compile`` has compiled in this process so far (TorchDynamo's own counter): constant
+    once every compiled module has run, when nothing recompiles."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def wanted(setting: bool | None, device_type: str) -> bool:
+    """``model.compile``: as set, or by default on accelerators and off on CPU (compiling there would slow every
+    start, and CI's, by tens of seconds)."""
+    return setting if setting is not None else device_type != "cpu"

@@ -1,0 +1,91 @@
+"""Compiled transformer blocks (``model.compile``), in process on CPU: as close to a float64 eager run as eager
+FP32 is, one compilation for every length under unpadding, names unchanged, and eager after a failed compile.
+ZeRO-2 and ZeRO-3 under compile belong to the GPU tier."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from model import compile as mc
+from model.build import build_model
+from model.registry import get_spec
+from tests.test_unpad import FP32_EPS, _errors, _run, _spec, batch, shards  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*TensorFloat32.*")
+
+
+def _neox_batch() -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.randint(0, 500, (2, 33), generator=torch.Generator().manual_seed(1))}
+
+
+@pytest.mark.parametrize("family", ["bert", "bert-pre-ln", "neox"])
+def test_compiled_is_as_close_to_float64_as_eager(batch, family):  # noqa: F811
+    """With dropout 0, the compiled FP32 loss is no further from the float64 eager loss than twice the eager FP32
+    loss's distance (below FP32 rounding counts as FP32 rounding); its gradients stay within 1e-4."""
+    torch._dynamo.reset()
+    if family == "neox":
+        spec, data = get_spec("neox-debug", vocab_size=512), _neox_batch()
+    else:
+        spec = _spec(pre_layernorm=family == "bert-pre-ln")
+        data = {**batch, "next_sentence_labels": torch.ones_like(batch["next_sentence_labels"])}
+    torch.manual_seed(0)
+    eager = build_model(spec).train()
+    ref = copy.deepcopy(eager).double()
+    compiled = copy.deepcopy(eager)
+    names = list(compiled.state_dict())
+    assert mc.compile_blocks(compiled) == len(mc.compiled_modules(compiled)) > 0
+    assert list(compiled.state_dict()) == names  # checkpoints and the export see the same names
+
+    loss64, grads64 = _run(ref, data)
+    loss32, _ = _run(eager, data)
+    loss_c, grads_c = _run(compiled, data)
+    assert compiled.compile_fallback.failed is None
+    assert abs(loss_c - loss64) <= 2 * max(abs(loss32 - loss64), FP32_EPS * abs(loss64)), (loss_c, loss32, loss64)
+    assert max(_errors(grads_c, grads64).values()) < 1e-4
+
+
+def test_unpadded_lengths_do_not_recompile(batch):  # noqa: F811
+    """Micro-batches with other real lengths (another token count for the packed rows) reuse the compiled
+    graphs: TorchDynamo's count of compiled graphs stays the same after the first step."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = build_model(_spec(pre_layernorm=False)).train()
+    mc.compile_blocks(model)
+    mask = batch["attention_mask"]
+    counts = []
+    for cut in (128, 100, 77, 64, 31):  # rows cut at another width: other lengths, another token count
+        trimmed = {**batch, "attention_mask": mask * (torch.arange(mask.size(1)) < cut)}
+        trimmed.pop("unpad_indices", None), trimmed.pop("cu_seqlens", None), trimmed.pop("max_seqlen", None)
+        _run(model, trimmed)
+        counts.append(mc.compile_count())
+    assert counts[0] > 0 and counts[1:] == [counts[0]] * 4, counts
+    assert model.compile_fallback.failed is None
+
+
+def test_a_failed_compile_warns_once_and_runs_eager(batch, caplog):  # noqa: F811
+    """A backend that fails: one warning for the whole model, every block eager, the eager loss."""
+    torch._dynamo.reset()
+
+    def broken(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    torch.manual_seed(0)
+    model = build_model(_spec(pre_layernorm=False)).eval()
+    want = model(**batch)["loss"]
+    mc.compile_blocks(model, backend=broken)
+    with caplog.at_level(logging.WARNING):
+        got = model(**batch)["loss"]
+        again = model(**batch)["loss"]
+    warnings = [r for r in caplog.records if r.name.endswith("model.compile")]
+    assert len(warnings) == 1 and "running eager instead" in warnings[0].getMessage()
+    assert "no compiler here" in warnings[0].getMessage()
+    assert torch.equal(got, want) and torch.equal(again, want)
+
+
+def test_compile_is_on_by_default_on_accelerators_only():
+    assert mc.wanted(None, "cuda") and mc.wanted(None, "hpu") and not mc.wanted(None, "cpu")
+    assert mc.wanted(True, "cpu") and not mc.wanted(False, "cuda")
