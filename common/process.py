@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import logging
 import os
 import sys
@@ -11,11 +12,13 @@ import threading
 from typing import NoReturn
 
 
-def exit_fast(rc: int) -> NoReturn:
+def exit_fast(rc: int | None) -> NoReturn:
     """Exit with ``rc`` after what a normal exit does that matters, without the rest.
 
     Done here: the ``atexit`` handlers (``multiprocessing``'s child cleanup, ``weakref.finalize`` objects,
-    wandb's), logging's and stdio's flushes. Skipped: module finalisation, where a training process with torch,
+    wandb's), logging's and Python's stdio flushes, and C's (``fflush(NULL)``: lines C++ code printed, NCCL's
+    debug output). A Python file object left open and unflushed would lose its buffer: the training process
+    closes what it writes. Skipped: module finalisation, where a training process with torch,
     DeepSpeed and ``transformers`` loaded spends 1.5-2 s in C++ destructors after its last line (measured on the
     2-core CI machine), every rank of every job. A process with a non-daemon thread still running exits the
     normal way, which waits for it.
@@ -27,4 +30,6 @@ def exit_fast(rc: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # closed, or its reader is gone
             stream.flush()
-    os._exit(rc)
+    with contextlib.suppress(OSError, AttributeError):  # no C library to ask: nothing of C's to flush
+        ctypes.CDLL(None).fflush(None)
+    os._exit(int(rc or 0))

@@ -11,9 +11,11 @@ activation checkpointing see the same modules):
 * GPT-NeoX: each whole ``GPTNeoXLayer`` (fixed-length windows, causal SDPA).
 
 Dynamic shapes (``dynamic=True``): under unpadding the token count changes every micro-batch; each module is
-compiled once for any length, which ``compile_count`` lets a test check. A module whose compilation fails
-(a backend error, an unsupported operation) warns once for the whole model and runs eager from then on; errors
-of the computation itself are not caught.
+compiled once for any length, which ``compile_count`` lets a test check. A module whose compilation fails in
+its forward call (a backend error, an unsupported operation) warns once for the whole model and runs eager from
+then on; errors of the computation itself are not caught. Not caught either: a failure compiling the backward
+graph when the first backward runs (inductor may defer it there on an accelerator), which ends the run with its
+own error; not seen on CPU, where both graphs compile in the forward call.
 """
 
 from __future__ import annotations

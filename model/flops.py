@@ -113,7 +113,8 @@ class Work:
     """The positions the model computed: the real tokens when it unpads (``model.unpad``), else every position.
     Tokens/s, TFLOP/s and MFU count these (``training.metrics``)."""
     flops: int
-    """Training FLOPs of the computed positions (this module's convention)."""
+    """Training FLOPs of the computed positions (this module's convention): exact for a micro-batch; a job's
+    totals travel in float64 (``training.trainer.StepReduction``), exact below 2**53, then to 1e-16."""
 
     def __add__(self, other: Work) -> Work:
         return Work(*(a + b for a, b in zip(astuple(self), astuple(other))))

@@ -1,5 +1,5 @@
-"""common.process.exit_fast: the exit code, the atexit handlers, logging and stdio, as a normal exit gives them;
-a non-daemon thread still running is waited for."""
+"""common.process.exit_fast: the exit code, the atexit handlers, logging, Python's and C's stdio, as a normal exit
+gives them; a non-daemon thread still running is waited for."""
 
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ logging.getLogger("t").warning("logged")
 if sys.argv[2] == "thread":
     threading.Thread(target=lambda: (time.sleep(0.5), open(out + ".thread", "w").write("done"))).start()
 sys.stdout.write("no newline, buffered")
+import ctypes
+ctypes.CDLL(None).printf(b"[from C]")  # C's own stdout buffer: a pipe's is flushed only by fflush
 exit_fast(3)
 """
 
@@ -37,7 +39,7 @@ def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
 
 def test_exit_fast_keeps_what_a_normal_exit_gives(tmp_path: Path) -> None:
     r = _run(tmp_path, "plain")
-    assert r.returncode == 3 and r.stdout == "no newline, buffered", (r.returncode, r.stdout, r.stderr)
+    assert r.returncode == 3 and r.stdout == "no newline, buffered[from C]", (r.returncode, r.stdout, r.stderr)
     assert (tmp_path / "f.atexit").read_text() == "ran"
     assert (tmp_path / "f.log").read_text() == "logged\n"
 

@@ -179,7 +179,8 @@ class Trainer:
         self.work, self.window_work = NO_WORK, NO_WORK
         self.job_work, self.job_window_work = NO_WORK, NO_WORK
         self._base = (0, 0.0)  # tokens and FLOPs before this start (from the checkpoint)
-        self.first_step_s: float | None = None  # this start's first step: a warm-up step, never in the window
+        # this start's first step (compilation included): outside the window unless logging.warmup_steps=0
+        self.first_step_s: float | None = None
 
     # ------------------------------------------------------------------ state
     def progress(self) -> dict[str, Any]:
@@ -187,8 +188,12 @@ class Trainer:
         return {**self.state.to_dict(), "loader": self.loader.state_dict()}
 
     def load_client_state(self, client: dict[str, Any]) -> None:
-        # "flops" is absent from checkpoints older than the counting convention: counted from here
         self.state = TrainState(client["step"], client["samples"], client["tokens"], float(client.get("flops", 0.0)))
+        if "flops" not in client:  # a checkpoint from before the counting convention (training.metrics)
+            log.warning(
+                f"the checkpoint at step {client['step']} counted every position as a token and no FLOPs: the "
+                "run's tokens count padding up to it, computed tokens after it, and its FLOPs start here"
+            )
         self.loader.load_state_dict(client["loader"])
         self._iter = None
 
