@@ -640,7 +640,6 @@ def test_a_stalled_data_loader_ends_its_rank_with_one_line(bert_data, tmp_path):
             "train.steps=100000",
             f"deepspeed.timeout_s={timeout_s}",
             "data.num_workers=1",
-            "logging.every=50",
             "train.eval_every=0",
             "checkpoint.every=0",
         ),

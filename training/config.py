@@ -128,8 +128,8 @@ class TrainSection:
     """Held-out samples per evaluation: the first N of data.eval, the same every time and on any world
     size."""
     deterministic: bool = False
-    """Deterministic algorithms (torch.use_deterministic_algorithms): a resumed GPU run repeats an
-    uninterrupted one's losses exactly, at some cost in speed."""
+    """Deterministic algorithms (torch.use_deterministic_algorithms, new memory not filled): a resumed GPU run
+    repeats an uninterrupted one's losses exactly, at some cost in speed."""
     stop_at_step: int = 0
     """Save a checkpoint and exit after this step (0: off), like Megatron's --exit-interval for time-boxed
     jobs; the next start resumes and finishes the same schedule."""
