@@ -46,9 +46,10 @@ come from ``data.h5format``'s schema.
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -365,8 +366,9 @@ def _outlive_sigterm(signum: int, frame: Any) -> None:  # noqa: ARG001
 
 
 class _Stream(torch.utils.data.IterableDataset):
-    """DataLoader worker side: worker k of K produces micro-batches k, k+K, ... of the schedule; the
-    DataLoader hands them out round-robin, i.e. in schedule order."""
+    """DataLoader worker side: worker k of K produces groups k, k+K, ... of the schedule's micro-batches,
+    unpacked (``unpack``: packed rows -> the micro-batch dict); the DataLoader hands them out round-robin,
+    i.e. in schedule order, pinned by its pin-memory thread on accelerators."""
 
     def __init__(
         self,
@@ -375,12 +377,13 @@ class _Stream(torch.utils.data.IterableDataset):
         schedule: _Schedule,
         start: tuple[int, int, int],
         per_chunk: int,
+        unpack: Callable[[torch.Tensor], dict[str, torch.Tensor]],
     ) -> None:
         super().__init__()
         self.shards, self.order, self.schedule, self.start = shards, order, schedule, start
-        self.per_chunk = per_chunk
+        self.per_chunk, self.unpack = per_chunk, unpack
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[list[dict[str, torch.Tensor]]]:
         info = torch.utils.data.get_worker_info()
         k, K = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:
@@ -392,7 +395,7 @@ class _Stream(torch.utils.data.IterableDataset):
         try:
             for j, chunk in enumerate(self.schedule.chunks(*self.start, self.per_chunk)):
                 if j % K == k:
-                    yield torch.from_numpy(np.concatenate([reader.read(e, p) for e, p in chunk]))
+                    yield [self.unpack(torch.from_numpy(reader.read(e, p))) for e, p in chunk]
         finally:
             reader.close()
 
@@ -405,6 +408,8 @@ class PretrainingLoader:
     the order with ``seed``, so it is part of the resume state. ``require_manifest=False`` reads shards
     without a ``manifest.json`` (made elsewhere), opening every one of them. ``unpad=True`` adds where the
     real tokens are (:func:`unpadding_index`) to BERT micro-batches, for a model that computes only them.
+    ``pin_memory=True`` (an accelerator's run) hands out micro-batches in pinned host memory, pinned by the
+    DataLoader's thread (or, with ``num_workers=0``, as they are read), so the copy to the device need not wait.
     """
 
     def __init__(
@@ -424,8 +429,10 @@ class PretrainingLoader:
         prefetch_factor: int = 4,
         require_manifest: bool = True,
         unpad: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         _check_ranks(dp_rank, dp_world, micro_batch=micro_batch, grad_accum=grad_accum, unit_rows=unit_rows or 1)
+        self.pin_memory = pin_memory
         self.kind = kind
         self.shards = _open_shards(path, kind, expect, require_manifest, (dp_rank, dp_world))
         self.files, self.counts, self._attrs = self.shards.files, self.shards.counts, self.shards.attrs
@@ -515,21 +522,24 @@ class PretrainingLoader:
                 self._consumed()
                 yield batch
         else:
-            # workers ship several micro-batches per transfer: the per-transfer cost dominates small batches
+            # workers ship several micro-batches per transfer (the per-transfer cost dominates small batches),
+            # unpacked there; the DataLoader's own thread pins them on accelerators (``pin_memory``)
+            unpack = functools.partial(_unpack, self.kind, widths=self._widths, unpad=self.unpad)
             dl = torch.utils.data.DataLoader(
-                _Stream(self.shards, self.order, self.schedule, start, self._per_chunk()),
+                _Stream(self.shards, self.order, self.schedule, start, self._per_chunk(), unpack),
                 batch_size=None,
                 num_workers=self.num_workers,
                 prefetch_factor=self.prefetch_factor,
+                pin_memory=self.pin_memory,
             )
-            for packed in dl:
-                for micro in torch.split(packed, self.micro_batch):
-                    batch = self._unpack(micro)
+            for group in dl:
+                for batch in group:
                     self._consumed()
                     yield batch
 
     def _unpack(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
-        return _unpack(self.kind, packed, self._widths, self.unpad)
+        batch = _unpack(self.kind, packed, self._widths, self.unpad)
+        return {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
 
     def _consumed(self) -> None:
         e, p, m = self.schedule.advance(self.epoch, self.pos, self.micro)
