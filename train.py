@@ -206,7 +206,7 @@ def report(facts, trainer, perf: dict) -> None:
     from training import collectives, events
     from training.clock import peak_memory_bytes, process_age_s
     from training.metrics import summarize
-    from training.trainer import write_replica_digest
+    from training.replicas import write_replica_digest
 
     rank, run_dir = collectives.rank(), trainer.events_to.run_dir
     if rank == 0 and not perf["stopped"]:

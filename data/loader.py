@@ -46,9 +46,11 @@ come from ``data.h5format``'s schema.
 
 from __future__ import annotations
 
+import functools
 import math
 import signal
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -300,6 +302,13 @@ def _unpack(kind: str, packed: torch.Tensor, widths: list[int], unpad: bool = Fa
     """Packed int32 rows -> the micro-batch dict: long tensors under the schema's batch keys
     (BERT adds float ``masked_lm_weights``, ``min_seqlen`` (0-d int64, its shortest row: a padded model needs no
     attention mask when it is the full width), and with ``unpad`` the keys of :func:`unpadding_index`)."""
+    batch = _unpack_rows(kind, packed, widths)
+    batch.update(_micro_keys(batch, unpad))
+    return batch
+
+
+def _unpack_rows(kind: str, packed: torch.Tensor, widths: list[int]) -> dict[str, torch.Tensor]:
+    """The keys of ``_unpack`` that are one row per sample (any number of micro-batches' rows at once)."""
     schema = h5format.SCHEMAS[kind]
     parts = torch.split(packed.long(), widths, dim=1)
     batch = {
@@ -309,12 +318,39 @@ def _unpack(kind: str, packed: torch.Tensor, widths: list[int], unpad: bool = Fa
     if "masked_lm_positions" in batch:
         # NVIDIA's reader: predictions run up to the first zero position (position 0 is always [CLS])
         batch["masked_lm_weights"] = torch.cumprod((batch["masked_lm_positions"] != 0).float(), dim=1)
-    if "attention_mask" in batch:
-        lengths = (batch["attention_mask"] != 0).sum(1)
-        batch["min_seqlen"] = lengths.min() if len(lengths) else lengths.new_zeros(())
-        if unpad:
-            batch.update(unpadding_index(batch["attention_mask"]))
     return batch
+
+
+def _micro_keys(rows: dict[str, torch.Tensor], unpad: bool) -> dict[str, torch.Tensor]:
+    """The keys of ``_unpack`` that describe a whole micro-batch (``rows``: its rows)."""
+    if "attention_mask" not in rows:
+        return {}
+    lengths = (rows["attention_mask"] != 0).sum(1)
+    out = {"min_seqlen": lengths.min() if len(lengths) else lengths.new_zeros(())}
+    if unpad:
+        out.update(unpadding_index(rows["attention_mask"]))
+    return out
+
+
+def _unpack_group(
+    kind: str, packed: torch.Tensor, widths: list[int], unpad: bool, micro: int
+) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """A worker's transfer: the packed rows of consecutive micro-batches of ``micro`` rows -> ``_collate``'s
+    form of their ``_unpack`` dicts, the row keys unpacked at once."""
+    rows = _unpack_rows(kind, packed, widths)
+    n = -(-len(packed) // micro)
+    cat, sizes = {}, {}
+    for k, v in rows.items():
+        cat[k], sizes[k] = v, [len(p) for p in v.split(micro)]
+    extra = [
+        _micro_keys({k: v.narrow(0, i * micro, min(micro, len(v) - i * micro)) for k, v in rows.items()}, unpad)
+        for i in range(n)
+    ]
+    if extra and extra[0]:
+        more, more_sizes = _collate(extra)
+        cat.update(more)
+        sizes.update(more_sizes)
+    return cat, sizes
 
 
 class _Schedule:
@@ -364,9 +400,42 @@ def _outlive_sigterm(signum: int, frame: Any) -> None:  # noqa: ARG001
     signal.alarm(WORKER_GRACE_S)  # SIGALRM's default action ends the process
 
 
+def _rank_gone_quietly(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+    """A worker's ``sys.excepthook``: a lost connection to its rank (killed while it fetched a transfer's
+    shared-memory handles, which ``multiprocessing.resource_sharer``'s thread reports through this hook) is
+    no error of the worker's: it ends with its rank, without a traceback in the job's output."""
+    if not issubclass(kind, (ConnectionError, EOFError)):
+        sys.__excepthook__(kind, value, tb)
+
+
+def _collate(batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+    """Micro-batch dicts -> one tensor per key (concatenated along dim 0; 0-d values stacked) and each
+    micro-batch's rows of it (-1: a 0-d value): a worker ships one tensor per key, whatever the number of
+    micro-batches (each tensor a transfer costs is a shared-memory file and a connection)."""
+    cat, sizes = {}, {}
+    for k in batches[0]:
+        parts = [b[k] for b in batches]
+        cat[k] = torch.stack(parts) if parts[0].dim() == 0 else torch.cat(parts)
+        sizes[k] = [-1 if t.dim() == 0 else len(t) for t in parts]
+    return cat, sizes
+
+
+def _uncollate(cat: dict[str, torch.Tensor], sizes: dict[str, list[int]]) -> Iterator[dict[str, torch.Tensor]]:
+    """The micro-batches of ``_collate``, as views of its tensors (pinned where they are)."""
+    offsets = dict.fromkeys(cat, 0)
+    for i in range(len(next(iter(sizes.values())))):
+        batch = {}
+        for k, t in cat.items():
+            n, at = sizes[k][i], offsets[k]
+            batch[k] = t[at] if n < 0 else t.narrow(0, at, n)
+            offsets[k] = at + max(n, 1)
+        yield batch
+
+
 class _Stream(torch.utils.data.IterableDataset):
-    """DataLoader worker side: worker k of K produces micro-batches k, k+K, ... of the schedule; the
-    DataLoader hands them out round-robin, i.e. in schedule order."""
+    """DataLoader worker side: worker k of K produces groups k, k+K, ... of the schedule's micro-batches,
+    unpacked (``unpack``: packed rows -> the micro-batch dict); the DataLoader hands them out round-robin,
+    i.e. in schedule order, pinned by its pin-memory thread on accelerators."""
 
     def __init__(
         self,
@@ -375,12 +444,13 @@ class _Stream(torch.utils.data.IterableDataset):
         schedule: _Schedule,
         start: tuple[int, int, int],
         per_chunk: int,
+        unpack: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], dict[str, list[int]]]],
     ) -> None:
         super().__init__()
         self.shards, self.order, self.schedule, self.start = shards, order, schedule, start
-        self.per_chunk = per_chunk
+        self.per_chunk, self.unpack = per_chunk, unpack
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, list[int]]]]:
         info = torch.utils.data.get_worker_info()
         k, K = (info.id, info.num_workers) if info is not None else (0, 1)
         if info is not None:
@@ -388,11 +458,12 @@ class _Stream(torch.utils.data.IterableDataset):
             # worker must outlive it: the rank finishes its step with this worker's data, saves and exits,
             # and the worker is shut down with it. A worker nobody shuts down ends by itself a minute later.
             signal.signal(signal.SIGTERM, _outlive_sigterm)
+            sys.excepthook = _rank_gone_quietly
         reader = _Reader(self.shards, self.order)
         try:
             for j, chunk in enumerate(self.schedule.chunks(*self.start, self.per_chunk)):
                 if j % K == k:
-                    yield torch.from_numpy(np.concatenate([reader.read(e, p) for e, p in chunk]))
+                    yield self.unpack(torch.from_numpy(np.concatenate([reader.read(e, p) for e, p in chunk])))
         finally:
             reader.close()
 
@@ -405,6 +476,8 @@ class PretrainingLoader:
     the order with ``seed``, so it is part of the resume state. ``require_manifest=False`` reads shards
     without a ``manifest.json`` (made elsewhere), opening every one of them. ``unpad=True`` adds where the
     real tokens are (:func:`unpadding_index`) to BERT micro-batches, for a model that computes only them.
+    ``pin_memory=True`` (an accelerator's run) hands out micro-batches in pinned host memory, pinned by the
+    DataLoader's thread (or, with ``num_workers=0``, as they are read), so the copy to the device need not wait.
     """
 
     def __init__(
@@ -424,8 +497,10 @@ class PretrainingLoader:
         prefetch_factor: int = 4,
         require_manifest: bool = True,
         unpad: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         _check_ranks(dp_rank, dp_world, micro_batch=micro_batch, grad_accum=grad_accum, unit_rows=unit_rows or 1)
+        self.pin_memory = pin_memory
         self.kind = kind
         self.shards = _open_shards(path, kind, expect, require_manifest, (dp_rank, dp_world))
         self.files, self.counts, self._attrs = self.shards.files, self.shards.counts, self.shards.attrs
@@ -515,21 +590,26 @@ class PretrainingLoader:
                 self._consumed()
                 yield batch
         else:
-            # workers ship several micro-batches per transfer: the per-transfer cost dominates small batches
+            # workers ship several micro-batches per transfer (the per-transfer cost dominates small batches),
+            # unpacked there; the DataLoader's own thread pins them on accelerators (``pin_memory``)
+            unpack = functools.partial(
+                _unpack_group, self.kind, widths=self._widths, unpad=self.unpad, micro=self.micro_batch
+            )
             dl = torch.utils.data.DataLoader(
-                _Stream(self.shards, self.order, self.schedule, start, self._per_chunk()),
+                _Stream(self.shards, self.order, self.schedule, start, self._per_chunk(), unpack),
                 batch_size=None,
                 num_workers=self.num_workers,
                 prefetch_factor=self.prefetch_factor,
+                pin_memory=self.pin_memory,
             )
-            for packed in dl:
-                for micro in torch.split(packed, self.micro_batch):
-                    batch = self._unpack(micro)
+            for cat, sizes in dl:
+                for batch in _uncollate(cat, sizes):
                     self._consumed()
                     yield batch
 
     def _unpack(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
-        return _unpack(self.kind, packed, self._widths, self.unpad)
+        batch = _unpack(self.kind, packed, self._widths, self.unpad)
+        return {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
 
     def _consumed(self) -> None:
         e, p, m = self.schedule.advance(self.epoch, self.pos, self.micro)

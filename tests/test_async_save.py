@@ -126,3 +126,44 @@ def test_a_failed_commit_reaches_every_rank_as_one_line(tmp_path: Path) -> None:
     assert ranks[0]["seen"][-2] == [2, False] and ranks[0]["seen"][-1][1], "the commit's failure came a step later"
     assert ranks[0]["error"] == ranks[1]["error"] and "(rank 0): " in ranks[0]["error"]
     assert not (ckpt / "step00000010").exists()
+
+
+def test_host_buffers_are_reused_save_after_save_and_never_while_a_writer_reads(tmp_path: Path) -> None:
+    """The background save's host copies: the second save copies into the first one's buffers (the same memory),
+    the copies are the tensors as they were at the copy, tied views stay one tensor, a view of a larger storage
+    is copied alone, a buffer whose shape changed is replaced, and a save that starts while another's writer
+    holds the pool gets buffers of its own. The written files load as the state that was copied."""
+    pool = saving.HostBuffers()
+    base = torch.arange(40, dtype=torch.float32)
+    w = torch.randn(6, 4)
+    state = {"w": w, "tied": [w, w], "slice": base[10:20], "bf16": torch.ones(3, dtype=torch.bfloat16), "n": 7}
+
+    def copy(state: dict):
+        copies = pool.start()
+        return saving._host_copy(state, copies), copies
+
+    first, copies = copy(state)
+    assert first["tied"][0] is first["tied"][1] is first["w"] and first["n"] == 7
+    assert first["slice"].untyped_storage().nbytes() == 10 * 4 and torch.equal(first["slice"], base[10:20])
+    ptrs = {k: first[k].data_ptr() for k in ("w", "slice", "bf16")}
+    was = w.clone()
+    w.add_(1.0)  # training goes on: the copy does not change
+    assert not torch.equal(first["w"], w)
+    # held: a second save meanwhile gets fresh memory
+    second, other = copy(state)
+    assert {second[k].data_ptr() for k in ptrs}.isdisjoint(ptrs.values())
+    other.release()  # not the pool's: releasing it does not free the first save's buffers
+    third, _ = copy(state)
+    assert {third[k].data_ptr() for k in ptrs}.isdisjoint(ptrs.values())
+    # the first save's writer, then a new save: the same memory, the new values
+    target = tmp_path / "part.pt"
+    save = saving.BackgroundSave(tmp_path, 1, 0, [(first, str(target))], None, copies=copies)
+    save._thread.join()
+    assert save.written and torch.equal(torch.load(target)["w"], was)
+    again, _ = copy(state)
+    assert {k: again[k].data_ptr() for k in ptrs} == ptrs and torch.equal(again["w"], w)
+    pool.release()
+    state["w"] = torch.zeros(2, 2)  # another shape (tied too): a new buffer for it, the others kept
+    state["tied"] = [state["w"], state["w"]]
+    changed, _ = copy(state)
+    assert changed["w"].shape == (2, 2) and changed["slice"].data_ptr() == ptrs["slice"]

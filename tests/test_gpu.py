@@ -239,3 +239,32 @@ def test_lans_takes_its_intended_path_on_the_gpu():
         warnings.simplefilter("error")  # a fallback warns: here it fails the test
         opt.step()
     assert opt.last_impl == "fused"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loader_hands_out_pinned_batches_on_cuda(bert_data, workers):  # noqa: F811
+    """pin_memory: the DataLoader's thread (or, without workers, the read) pins every device key, and the
+    batches equal those of an unpinned loader."""
+    from data.loader import PretrainingLoader
+    from model.unpad import HOST_KEYS
+
+    def first(pin: bool) -> list[dict]:
+        loader = PretrainingLoader(
+            bert_data["train"],
+            "bert",
+            micro_batch=4,
+            grad_accum=2,
+            dp_rank=0,
+            dp_world=1,
+            num_workers=workers,
+            unpad=True,
+            pin_memory=pin,
+        )
+        it = iter(loader)
+        return [next(it) for _ in range(3)]
+
+    for pinned, plain in zip(first(True), first(False)):
+        assert pinned.keys() == plain.keys()
+        for k, v in pinned.items():
+            assert torch.equal(v, plain[k]), k
+            assert v.is_pinned() or k in HOST_KEYS, k

@@ -180,6 +180,22 @@ def test_resume_exact_in_process_and_with_workers(shards: Path) -> None:
     assert a == b
 
 
+@pytest.mark.parametrize("unpad", [False, True])
+def test_workers_hand_out_the_in_process_batches(shards: Path, unpad: bool) -> None:
+    """Workers unpack whole transfers of micro-batches (``_unpack_group``) and the loader hands out views of
+    them: every key of every micro-batch equals the in-process reader's, over an epoch's end (micro-batches of
+    5 rows: transfers that are not whole units, and an epoch tail)."""
+    got = {}
+    for workers in (0, 2):
+        ld = loader(shards, mb=5, ga=3, workers=workers, unpad=unpad, drop_last=False)
+        it = iter(ld)
+        got[workers] = [next(it) for _ in range(ld.steps_per_epoch * 3 + 6)]
+    for a, b in zip(got[0], got[2], strict=True):
+        assert a.keys() == b.keys() and ("cu_seqlens" in a) == unpad
+        for k in a:
+            assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]), k
+
+
 def test_epochs_seeds_and_full_coverage(shards: Path, all_keys: list[str]) -> None:
     n = len(all_keys)
     ld = loader(shards, mb=7, ga=1, drop_last=False)

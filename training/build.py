@@ -84,6 +84,8 @@ def _open_loader(
     expect: dict,
     unpad: bool,
 ):
+    from deepspeed.accelerator import get_accelerator
+
     from data.loader import PretrainingLoader
 
     if not path:
@@ -102,6 +104,7 @@ def _open_loader(
         expect=expect,
         require_manifest=data.require_manifest,
         unpad=unpad,
+        pin_memory=get_accelerator().device_name() == "cuda",  # pinned by the DataLoader's thread
     )
 
 

@@ -71,6 +71,7 @@ class Checkpointer:
         self.last_save_s: float | None = None  # the training stall of the newest save
         self.full_save_s: float | None = None  # a whole save's duration (the grace check after SIGTERM)
         self.pending: saving.BackgroundSave | None = None
+        self.host_buffers = saving.HostBuffers()  # background saves' host copies (pinned on accelerators)
         self.last_saved = -1
         self._auto_next: int | None = None  # checkpoint.every=auto: the step of the next save
         self._auto_mark = (0.0, 0)  # (perf_counter, step) at the end of the newest save
@@ -146,7 +147,7 @@ class Checkpointer:
         client = {**self.identity.to_dict(), **progress}
         counted: dict[str, float] = {k: progress[k] for k in ("tokens", "flops") if k in progress}  # for segments
         if background:
-            pending = saving.save_in_background(self.engine, self.dir, step, client)
+            pending = saving.save_in_background(self.engine, self.dir, step, client, self.host_buffers)
             pending.counted = counted
             tag = pending.tag
         else:

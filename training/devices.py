@@ -306,14 +306,7 @@ def peak_flops(name: str | None = None, dtypes: Iterable[str | torch.dtype] = ("
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """A host micro-batch on ``device``, without making the host wait: through pinned memory on CUDA; the
-    unpadding's host keys (``model.unpad.HOST_KEYS``: exact kernel sizes) stay on the host."""
-    out = {}
-    for k, v in batch.items():
-        if k in HOST_KEYS:
-            out[k] = v
-            continue
-        if device.type == "cuda":  # a copy from pinned memory does not make the host wait for the device
-            v = v.pin_memory()
-        out[k] = v.to(device, non_blocking=True)
-    return out
+    """A host micro-batch on ``device``, without making the host wait when the loader pinned it (the
+    training loader does on CUDA: ``PretrainingLoader(pin_memory=True)``); the unpadding's host keys
+    (``model.unpad.HOST_KEYS``: exact kernel sizes) stay on the host."""
+    return {k: v if k in HOST_KEYS else v.to(device, non_blocking=True) for k, v in batch.items()}

@@ -41,11 +41,13 @@ hands it to its ``fallback``:
 ``impl="auto"`` takes ``cpu`` for CPU tensors and ``fused`` elsewhere, and falls back (with a warning) to
 ``fused`` / ``foreach`` when a build fails.
 
-Precision: state (m, v) is always fp32. A parameter that is not fp32 (bf16 outside DeepSpeed; also fp16 and
-float64) gets an fp32 master copy in the state; the update is applied to the master in fp32 and the master is
-cast (round to nearest) into the parameter. Under DeepSpeed the parameters the optimizer sees are already fp32
-masters. On CPU every norm is accumulated in float64 in all three implementations (error bound:
-``sum_of_squares``).
+Precision: the working dtype of a tensor is float64 for a float64 parameter and fp32 for every other. State
+(m, v) and the element-wise maths are in the working dtype; the per-tensor scalars (norms, trust ratios, bias
+corrections) are float64 and rounded once to it. A float64 run is float64 throughout, on every path (the C++
+kernels hand float64 fragments to the foreach ops). A bf16 or fp16 parameter (outside DeepSpeed) gets an fp32
+master copy in the state; the update is applied to the master in fp32 and the master is cast (round to
+nearest) into the parameter. Under DeepSpeed the parameters the optimizer sees are already fp32 masters. On CPU
+every norm is accumulated in float64 in all implementations (error bound: ``sum_of_squares``).
 
 ``trust_no_decay=False`` gives parameter groups with weight decay 0 (biases, LayerNorm) trust ratio 1 in
 both LANS terms: w <- w - lr b1 r - lr (1-b1) c (LAMB: w <- w - lr r), as NVIDIA's FusedLAMB does
@@ -113,8 +115,9 @@ def sum_of_squares(xs: TensorList) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.float64)
     if xs[0].device.type != "cpu":
         # Accelerators: one multi-tensor kernel with tree reductions (accurate; chunked dots would be
-        # thousands of launches).
-        norms = torch.stack(torch._foreach_norm(xs, dtype=torch.float32)).to(torch.float64)
+        # thousands of launches), in float64 for float64 tensors.
+        acc = torch.float64 if any(x.dtype == torch.float64 for x in xs) else torch.float32
+        norms = torch.stack(torch._foreach_norm(xs, dtype=acc)).to(torch.float64)
         return norms * norms
     dots, owner = [], []
     for k, x in enumerate(xs):
@@ -130,7 +133,8 @@ def sum_of_squares(xs: TensorList) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------------
 # Element-wise kernels (one fragment each). sc rows: LANS  [s, 1-b1, b2, 1-b2, eps', wd_r, wd_c]
 #                                                     LAMB  [1, 1-b1, b2, 1-b2, eps', wd_r, 0]
-# (1-b computed in float64 on the host: 1 - float32(0.999) would be off by 1e-5.)
+# sc and a are in the fragment's working dtype (m's dtype: fp32, or float64 for a float64 parameter), rounded
+# from float64 once (1-b computed in float64: 1 - float32(0.999) would be off by 1e-5).
 # The moment update and the sums of squares are two kernels, not one: on CPU inductor's fused
 # "update in place + three reductions" loop runs ~1.5x slower than the two loops back to back (measured with
 # torch 2.13 on a 2-core AVX-512 machine; benchmarks/bench_lans.py).
@@ -139,14 +143,15 @@ def sum_of_squares(xs: TensorList) -> torch.Tensor:
 
 def _moments_kernel(g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor) -> None:
     """In place: m <- b1 m + (1-b1) s g ; v <- b2 v + (1-b2) (s g)^2; s = 1/(||g||+eps) (LANS) or 1 (LAMB)."""
-    gt = g.float() * sc[0]
+    gt = g.to(m.dtype) * sc[0]
     m.copy_(torch.lerp(m, gt, sc[1]))
     v.copy_(v * sc[2] + gt * gt * sc[3])
 
 
 def _sumsq_dtype(w: torch.Tensor) -> torch.dtype:
-    """Accumulator of the compiled sums of squares (a constant when dynamo traces: the device is static)."""
-    return torch.float64 if w.device.type == "cpu" else torch.float32
+    """Accumulator of the compiled sums of squares (a constant when dynamo traces: device and dtype are
+    static)."""
+    return torch.float64 if w.device.type == "cpu" or w.dtype == torch.float64 else torch.float32
 
 
 def _lans_sumsq_kernel(
@@ -156,7 +161,7 @@ def _lans_sumsq_kernel(
     in float64 on CPU (see ``sum_of_squares``), fp32 elsewhere (accelerators: tree reductions; no fp64 on
     HPU)."""
     acc = _sumsq_dtype(w)
-    gt = g.float() * sc[0]
+    gt = g.to(w.dtype) * sc[0]
     b = v.sqrt() + sc[4]
     r = (m / b + sc[5] * w).to(acc)
     c = (gt / b + sc[6] * w).to(acc)
@@ -176,7 +181,7 @@ def _lamb_sumsq_kernel(
 def _lans_update_kernel(
     g: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, sc: torch.Tensor, a: torch.Tensor
 ) -> None:
-    gt = g.float() * sc[0]
+    gt = g.to(w.dtype) * sc[0]
     b = v.sqrt() + sc[4]
     r = m / b + sc[5] * w
     c = gt / b + sc[6] * w
@@ -433,7 +438,7 @@ class _ForeachKernels(_Kernels):
         f, idx = self.frags, self.idx
         ws, gs, ms, vs = ([xs[i] for i in idx] for xs in (f.ws, f.gs, f.ms, f.vs))
         s, omb1, b2, omb2, epsp, wdr, wdc = sc[idx].t().tolist()
-        gf = [g if g.dtype == torch.float32 else g.float() for g in gs]
+        gf = [g if g.dtype == m.dtype else g.to(m.dtype) for g, m in zip(gs, ms)]
         gt = torch._foreach_mul(gf, s) if self.lans else gf
         torch._foreach_lerp_(ms, gt, omb1[0])
         torch._foreach_mul_(vs, b2[0])
@@ -497,7 +502,7 @@ class _CompiledKernels(_Kernels):
         for gdt in {f.gs[i].dtype for i in self.idx}:
             _warm_fused(f.device, gdt)
         moments, sumsq = _compiled("moments"), _compiled("lans_sumsq" if self.lans else "lamb_sumsq")
-        rows = sc.unbind(0)  # row i of the group's table is fragment i's (views: no copies)
+        rows = _rows(sc, f.ms)
         for i in self.idx:
             moments(f.gs[i], f.ms[i], f.vs[i], rows[i])
         parts = torch.stack([sumsq(f.gs[i], f.ws[i], f.ms[i], f.vs[i], rows[i]) for i in self.idx])
@@ -506,9 +511,15 @@ class _CompiledKernels(_Kernels):
     def _update(self, sc: torch.Tensor, a: torch.Tensor) -> None:
         f = self.frags
         kern = _compiled("lans_update" if self.lans else "lamb_update")
-        rows, arows = sc.unbind(0), a.unbind(0)
+        rows, arows = _rows(sc, f.ms), _rows(a, f.ms)
         for i in self.idx:
             kern(f.gs[i], f.ws[i], f.ms[i], f.vs[i], rows[i], arows[i])
+
+
+def _rows(table: torch.Tensor, ms: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Row i of a float64 per-fragment table in fragment i's working dtype (``ms[i].dtype``)."""
+    by_dtype = {dt: table.to(dt).unbind(0) for dt in {m.dtype for m in ms}}
+    return [by_dtype[m.dtype][i] for i, m in enumerate(ms)]
 
 
 class _CppKernels(_Kernels):
@@ -548,10 +559,10 @@ class _CppKernels(_Kernels):
         return self.ext.sum_of_squares(self.g)
 
     def _moments_sumsq(self, sc: torch.Tensor) -> torch.Tensor:
-        return self.ext.moments_sumsq(self.g, self.w, self.m, self.v, sc[self.idx])
+        return self.ext.moments_sumsq(self.g, self.w, self.m, self.v, sc[self.idx].float())
 
     def _update(self, sc: torch.Tensor, a: torch.Tensor) -> None:
-        self.ext.update(self.g, self.w, self.m, self.v, sc[self.idx], a[self.idx])
+        self.ext.update(self.g, self.w, self.m, self.v, sc[self.idx].float(), a[self.idx].float())
 
 
 # The implementations a user may name (``impl``); ``impl="auto"`` takes the first usable one on the device.
@@ -610,11 +621,12 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor) -> dict:
         state = self.state[p]
         if not state:
+            work = torch.float64 if p.dtype == torch.float64 else torch.float32  # the working dtype
             state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            if p.dtype != torch.float32:
-                state["master"] = p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone()
+            state["exp_avg"] = torch.zeros_like(p, dtype=work, memory_format=torch.contiguous_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=work, memory_format=torch.contiguous_format)
+            if p.dtype != work:
+                state["master"] = p.detach().to(work, memory_format=torch.contiguous_format).clone()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -760,7 +772,8 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
     def _scalars(
         self, group: dict, f: GroupFragments, g_norm: torch.Tensor | None, seg: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The kernels' per-fragment scalars ``sc``, and k_r, k_c (r = k_r r', c = k_c c')."""
+        """The kernels' per-fragment scalars ``sc`` (float64; each implementation rounds them to its
+        fragments' working dtype), and k_r, k_c (r = k_r r', c = k_c c')."""
         (b1, b2), eps, wd = group["betas"], group["eps"], group["weight_decay"]
         step_t = torch.tensor(f.steps, dtype=torch.float64, device=f.device)
         bc1 = 1 - b1**step_t
@@ -784,7 +797,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
                 (wd / k_c) if self._lans else torch.zeros_like(s),
             ],
             dim=1,
-        ).to(torch.float32)
+        )
         return sc, k_r, k_c
 
     def _update_coefs(
@@ -805,7 +818,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
             a = torch.stack([-lr * b1 * coef_r, -lr * (1 - b1) * coef_c], dim=1)
         else:
             a = torch.stack([-lr * coef_r, torch.zeros_like(coef_r)], dim=1)
-        return a.to(torch.float32)
+        return a
 
 
 class LANS(_LayerwiseAdaptive):

@@ -137,26 +137,114 @@ def _commit(ckpt_dir: Path, tag: str, keep: int) -> None:
             shutil.rmtree(converted, ignore_errors=True)
 
 
-def _host_copy(obj: Any, memo: dict | None = None) -> Any:
-    """A copy of a state dict that no longer changes with training: tensors copied to host memory, other
-    objects deep-copied. Tensors that are the same view of one storage (tied weights) stay one tensor, so the
-    file does not grow."""
+class HostBuffers:
+    """Host memory for the copies of background saves, reused from one save to the next.
+
+    The pool is sized at the first save: the i-th tensor a save copies takes the i-th buffer (a save copies
+    the same tensors in the same order every time), and a buffer whose shape, strides or dtype no longer match
+    is replaced. Copies of accelerator tensors go to pinned buffers with ``non_blocking=True``, and an event
+    recorded after the last one is what the writer thread waits on before it reads (``ready``); copies of CPU
+    tensors are plain synchronous copies into ordinary buffers. One save holds the pool from ``start`` until its
+    writer is done (``release``); a save that starts while another holds it gets buffers of its own.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor] = []
+        self._pinned: list[bool] = []
+        self._lock = threading.Lock()
+        self._held = False
+
+    def start(self) -> _HostCopies:
+        """The copies of one save: this pool's buffers, or fresh ones while another save holds them."""
+        with self._lock:
+            mine = not self._held
+            self._held = self._held or mine
+        return _HostCopies(self if mine else None)
+
+    def release(self) -> None:
+        with self._lock:
+            self._held = False
+
+    def buffer(self, i: int, t: torch.Tensor, pinned: bool) -> torch.Tensor:
+        if i < len(self._bufs):
+            buf = self._bufs[i]
+            if (
+                buf.shape == t.shape
+                and buf.stride() == t.stride()
+                and buf.dtype == t.dtype
+                and self._pinned[i] == pinned
+            ):
+                return buf
+        buf = _empty_host(t, pinned)
+        if i < len(self._bufs):
+            self._bufs[i], self._pinned[i] = buf, pinned
+        else:
+            self._bufs.append(buf)
+            self._pinned.append(pinned)
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.untyped_storage().nbytes() for b in self._bufs)
+
+
+def _empty_host(t: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """Host memory shaped like ``t`` (its strides where dense, as ``t.to("cpu", copy=True)`` would give), of
+    ``t``'s size only: a view of a larger storage is saved without the rest of it."""
+    return torch.empty_like(t, device="cpu", pin_memory=pinned)
+
+
+class _HostCopies:
+    """One save's copies to host memory (see ``HostBuffers``); ``pool`` None: fresh buffers."""
+
+    def __init__(self, pool: HostBuffers | None) -> None:
+        self.pool = pool
+        self.count = 0
+        self.event: Any = None  # recorded after the last asynchronous copy
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        pinned = t.device.type != "cpu"
+        if self.pool is not None:
+            buf = self.pool.buffer(self.count, t, pinned)
+        else:
+            buf = _empty_host(t, pinned)
+        self.count += 1
+        buf.copy_(t, non_blocking=pinned)
+        if pinned:
+            self.event = torch.Event(device=t.device)
+            self.event.record()  # on the device's current stream: after every copy queued so far
+        return buf
+
+    def ready(self) -> None:
+        """Wait until every copy has landed in host memory (the writer thread, before it reads)."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def release(self) -> None:
+        if self.pool is not None:
+            self.pool.release()
+
+
+def _host_copy(obj: Any, copies: _HostCopies, memo: dict | None = None) -> Any:
+    """A copy of a state dict that no longer changes with training: tensors copied to host memory
+    (``copies``), other objects deep-copied. Tensors that are the same view of one storage (tied weights) stay
+    one tensor, so the file does not grow."""
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
         t = obj.detach()
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
         if key not in memo:
-            memo[key] = t.to("cpu", copy=True)
+            memo[key] = copies.copy(t)
         return memo[key]
     if isinstance(obj, dict):
         out = copy.copy(obj)  # keeps the mapping's type (OrderedDict, defaultdict)
         for k, v in obj.items():
-            out[k] = _host_copy(v, memo)
+            out[k] = _host_copy(v, copies, memo)
         return out
     if isinstance(obj, list):
-        return [_host_copy(v, memo) for v in obj]
+        return [_host_copy(v, copies, memo) for v in obj]
     if isinstance(obj, tuple):
-        items = [_host_copy(v, memo) for v in obj]
+        items = [_host_copy(v, copies, memo) for v in obj]
         if hasattr(obj, "_fields"):  # a named tuple takes its fields one by one
             return type(obj)(*items)
         return type(obj)(items)  # a tuple, or a subclass such as torch.Size
@@ -185,6 +273,7 @@ class BackgroundSave:
         writes: list[tuple[Any, str]],
         client_state: dict[str, Any] | None,
         error: str | None = None,
+        copies: _HostCopies | None = None,
     ) -> None:
         self.ckpt_dir, self.step, self.tag, self.rank = ckpt_dir, step, tag_for(step), rank
         self.error = error  # set before the thread starts: nothing is written
@@ -196,6 +285,7 @@ class BackgroundSave:
         self.reported_step = step  # the step after which the ranks' next report is awaited
         self._ok = False
         self._writes, self._client = writes, client_state
+        self._copies = copies or _HostCopies(None)
         self._thread = threading.Thread(target=self._run, name=f"save-{self.tag}", daemon=True)
         self._thread.start()
 
@@ -204,6 +294,7 @@ class BackgroundSave:
         where = self.ckpt_dir / self.tag
         try:
             if self.error is None:
+                self._copies.ready()
                 for state, target in self._writes:
                     with atomic_path(target) as tmp:
                         torch.save(state, tmp)
@@ -216,7 +307,8 @@ class BackgroundSave:
         except BaseException as e:  # whatever stops the writer, its files are not whole: never committed
             self.error = f"the writer thread failed: {type(e).__name__}: {e}"
         finally:
-            self._writes = []  # the host copies go now
+            self._writes = []  # the host copies go now (their buffers back to the pool)
+            self._copies.release()
             self.write_s = time.perf_counter() - t0
 
     @property
@@ -249,16 +341,20 @@ class BackgroundSave:
             self.committed = True
 
 
-def save_in_background(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any]) -> BackgroundSave:
+def save_in_background(
+    engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], buffers: HostBuffers | None = None
+) -> BackgroundSave:
     """Start a save whose files are written while training goes on. The training stall is DeepSpeed's own
-    save with its writes replaced by copies to host memory (the checkpoint state is held twice meanwhile)."""
+    save with its writes replaced by copies to host memory (``buffers``, reused from save to save; the
+    checkpoint state is held twice meanwhile)."""
     tag = tag_for(step)
     rank = collectives.rank()
     extra = _start_save(engine, ckpt_dir, tag, rank)
     writes: list[tuple[Any, str]] = []
+    copies = buffers.start() if buffers is not None else _HostCopies(None)
     capture = _EngineWrites(
         engine,
-        lambda state_dict, path, *args, **kwargs: writes.append((_host_copy(state_dict), str(path))),
+        lambda state_dict, path, *args, **kwargs: writes.append((_host_copy(state_dict, copies), str(path))),
         Exception,  # host memory, or a state object that cannot be copied
     )
     with capture:
@@ -272,7 +368,7 @@ def save_in_background(engine, ckpt_dir: Path, step: int, client_state: dict[str
         writes = []
     writes.append((rng_state(), str(ckpt_dir / tag / f"rng_rank{rank}.pt")))
     client = {"format": FORMAT, **client_state} if rank == 0 else None
-    return BackgroundSave(ckpt_dir, step, rank, writes, client, error=error)
+    return BackgroundSave(ckpt_dir, step, rank, writes, client, error=error, copies=copies)
 
 
 def _failed_save(ckpt_dir: Path, tag: str, failed: tuple[str, str, int], how: str = "") -> str:

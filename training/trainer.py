@@ -20,9 +20,7 @@ in [0, 1].
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import socket
 import time
 from collections.abc import Iterator
@@ -435,22 +433,3 @@ def next_attempt(run_dir: Path, rank: int) -> int:
 
 def exit_code(perf: dict[str, Any]) -> int:
     return EXIT_PREEMPTED if perf.get("stopped") else 0
-
-
-def write_replica_digest(run_dir: Path, module: torch.nn.Module, rank: int, world: int) -> None:
-    """Each rank records a hash of its parameters and where it ran: a cheap cross-node consistency check."""
-    from common.atomic import atomic_write_json
-    from common.net import own_address
-
-    h = hashlib.sha256()
-    for name, p in sorted(module.state_dict().items()):
-        h.update(name.encode())
-        h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
-    info = {
-        "rank": rank,
-        "world_size": world,
-        "host": socket.gethostname(),
-        "params_sha256": h.hexdigest(),
-        "address": own_address(os.environ.get("MASTER_ADDR", "127.0.0.1")),
-    }
-    atomic_write_json(run_dir / "replicas" / f"rank{rank}.json", info)
