@@ -13,3 +13,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 pip install -q -e ".[dev]"
 python -c "import torch, deepspeed, transformers; print(f'torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}')" 2>&1 | grep -v -i warn || true
+# LANS/LAMB's C++ CPU kernels are built on first use (torch's JIT extension builder, ~25 s, cached under
+# ~/.cache/torch_extensions): build them now, so the first CPU training run does not stall on the compiler.
+# Not fatal: without a compiler the optimizer falls back to torch.compile or foreach, with a warning.
+python -c "from training.lans import _cpu_kernels; print('LANS/LAMB CPU kernels:', 'built' if _cpu_kernels() is not None else 'not built (see the warning)')" 2>&1 | grep -v -i "accelerator to CPU" || true
