@@ -281,10 +281,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if local_rank == 0 or isinstance(e, RankError):
             print(f"error: {e}", file=sys.stderr, flush=True)
         under_agent = "TORCHELASTIC_RUN_ID" in os.environ  # launch elastic must not retry it: it reads this
-        if cfg is not None and under_agent and os.environ.get("RANK", "0") == "0":
+        own = int(os.environ.get("RANK", "0"))
+        if cfg is not None and under_agent and (own == 0 or isinstance(e, RankError)):
             from training import events
 
-            events.record(Path(cfg.run.dir), "user_error", rank=0, message=str(e))
+            events.record(Path(cfg.run.dir), "user_error", rank=own, message=str(e))
         return EXIT_USER_ERROR
     except RuntimeError as e:  # torch.distributed's DistBackendError included
         from training.collectives import peer_lost

@@ -67,6 +67,7 @@ from typing import Any, ClassVar
 import torch
 
 from common.errors import UserError
+from training import collectives
 from training.zero_map import GroupLayout, allreduce_sums, build_layouts
 
 NO_DECAY_MARKERS = ("bias", "LayerNorm", "layer_norm", "norm")
@@ -734,7 +735,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         return GroupFragments(ws, gs, ms, vs, list(range(n)), n, None, steps, device=ms[0].device, lowp=lowp)
 
     def _allreduce(self, sums: torch.Tensor, pg: Any) -> torch.Tensor:
-        if pg is None:
+        if pg is None or collectives.world_size() == 1:
             return sums
         with self._comm.timing(sums.device):
             return allreduce_sums(sums, pg)
@@ -862,12 +863,18 @@ class _CommTimer:
         yield
         end.record()
         self.pending.append((start, end))
+        self._fold(wait=False)
 
-    def seconds(self) -> float:
-        for start, end in self.pending:
+    def _fold(self, wait: bool) -> None:
+        """Add the timed collectives that have completed (all of them, waiting, with ``wait``): a run that
+        never reads ``seconds`` holds only the few pairs still in flight."""
+        while self.pending and (wait or self.pending[0][1].query()):
+            start, end = self.pending.pop(0)
             end.synchronize()
             self.done += start.elapsed_time(end) / 1000.0
-        self.pending.clear()
+
+    def seconds(self) -> float:
+        self._fold(wait=True)
         return self.done
 
 

@@ -231,9 +231,9 @@ class Trainer:
             try:
                 out = self.engine(**batch)
                 self.engine.backward(out["loss"])
+                self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             except torch.OutOfMemoryError:
                 raise out_of_memory(self.cfg.micro_batch) from None
-            self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
             pieces = torch.stack([out[k].detach().float() for k in reduction.name_pieces(out)])
             sums = pieces if sums is None else sums + pieces
         assert sums is not None
