@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, UserError
+from common.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, RankError, UserError
 from common.log import get_logger
 from training.config import Config, gradient_accumulation, load_config
 
@@ -277,13 +277,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         return run(cfg)
     except UserError as e:
-        if local_rank == 0:  # every rank raises the same error: one line per node, in each node's log
+        # every rank raises the same error: one line per node, in each node's log; a RankError is this rank's own
+        if local_rank == 0 or isinstance(e, RankError):
             print(f"error: {e}", file=sys.stderr, flush=True)
         under_agent = "TORCHELASTIC_RUN_ID" in os.environ  # launch elastic must not retry it: it reads this
-        if cfg is not None and under_agent and os.environ.get("RANK", "0") == "0":
+        own = int(os.environ.get("RANK", "0"))
+        if cfg is not None and under_agent and (own == 0 or isinstance(e, RankError)):
             from training import events
 
-            events.record(Path(cfg.run.dir), "user_error", rank=0, message=str(e))
+            events.record(Path(cfg.run.dir), "user_error", rank=own, message=str(e))
         return EXIT_USER_ERROR
     except RuntimeError as e:  # torch.distributed's DistBackendError included
         from training.collectives import peer_lost

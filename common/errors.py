@@ -15,6 +15,11 @@ class UserError(Exception):
     """A problem with what the user gave us (a file, a key, a value). The message names it."""
 
 
+class RankError(UserError):
+    """A UserError of this rank alone (another rank need not hit it, e.g. running out of device memory): its
+    line is printed by every rank that raises it, not by local rank 0 only."""
+
+
 def run_cli(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
     """Run a CLI entry point; a UserError becomes ``error: <message>`` on stderr and exit code 2."""
     try:

@@ -428,7 +428,7 @@ def _uncollate(cat: dict[str, torch.Tensor], sizes: dict[str, list[int]]) -> Ite
         for k, t in cat.items():
             n, at = sizes[k][i], offsets[k]
             batch[k] = t[at] if n < 0 else t.narrow(0, at, n)
-            offsets[k] = at + max(n, 1)
+            offsets[k] = at + (1 if n < 0 else n)
         yield batch
 
 

@@ -238,3 +238,17 @@ def test_mfu_is_none_without_a_peak_and_raises_above_one():
         mfu(7480.0 * 6e9, 12e12)
     with pytest.raises(ValueError, match="positive"):
         mfu(6e12, 0.0)
+
+
+def test_out_of_memory_line_names_the_micro_batch_the_peak_and_half() -> None:
+    """The line a micro-batch that ran out of device memory ends with (the GPU tier runs it for real): a
+    RankError (each rank that hits it prints it)."""
+    from common.errors import RankError
+    from training.devices import out_of_memory
+
+    err = out_of_memory(48)
+    assert isinstance(err, RankError)
+    text = str(err)
+    assert text.startswith("train.micro_batch=48 runs out of device memory on rank ") and "\n" not in text
+    assert " GiB of " in text and text.endswith("; try train.micro_batch=24")
+    assert str(out_of_memory(1)).endswith("try train.micro_batch=1")

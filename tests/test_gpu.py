@@ -268,3 +268,28 @@ def test_the_loader_hands_out_pinned_batches_on_cuda(bert_data, workers):  # noq
         for k, v in pinned.items():
             assert torch.equal(v, plain[k]), k
             assert v.is_pinned() or k in HOST_KEYS, k
+
+
+def test_a_micro_batch_out_of_device_memory_is_one_line(bert_data, tmp_path):  # noqa: F811
+    """bert-large at micro-batch 4096 (about 390 GB of activations at seq 128: more than any one GPU): one line
+    naming train.micro_batch, the peak memory and half the micro-batch, no traceback, exit 2, nothing saved."""
+    run_dir = tmp_path / "run"
+    res = deepspeed(
+        common(
+            bert_data,
+            run_dir,
+            *NCCL,
+            "model.name=bert-large",
+            "train.global_batch=4096",
+            "train.micro_batch=4096",
+            "train.eval_every=0",
+            "deepspeed.precision=bf16",
+        ),
+        ranks=1,
+    )
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert lines[0].startswith("error: train.micro_batch=4096 runs out of device memory on rank 0 (")
+    assert " GiB of " in lines[0] and lines[0].endswith("try train.micro_batch=2048"), lines[0]
+    assert not (run_dir / "checkpoints" / "latest").exists()

@@ -393,3 +393,19 @@ def test_eval_set_fixed_and_split_over_any_world(shards: Path, all_keys: list[st
     with pytest.raises(UserError, match="different numbers of forward passes; use a multiple of 2"):
         EvalSet(shards, "bert", 7, micro_batch=1, dp_rank=1, dp_world=2)
     assert len(EvalSet(shards, "bert", 8, micro_batch=1, dp_rank=1, dp_world=2)) == 4
+
+
+def test_collated_micro_batches_come_back_whole_with_empty_and_scalar_parts() -> None:
+    """A worker's transfer form (``_collate``) and back (``_uncollate``): an empty part (an unpadding index with
+    no real token) and 0-d values keep every later micro-batch's slice in place."""
+    from data.loader import _collate, _uncollate
+
+    parts = [
+        {"idx": torch.empty(0, dtype=torch.long), "n": torch.tensor(3), "rows": torch.zeros(2, 4)},
+        {"idx": torch.tensor([5, 6]), "n": torch.tensor(4), "rows": torch.ones(2, 4)},
+        {"idx": torch.tensor([7]), "n": torch.tensor(5), "rows": torch.full((1, 4), 2.0)},
+    ]
+    back = list(_uncollate(*_collate(parts)))
+    assert len(back) == 3
+    for a, b in zip(parts, back, strict=True):
+        assert a.keys() == b.keys() and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)

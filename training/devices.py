@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from common.atomic import atomic_write_json
+from common.errors import RankError
 from common.log import get_logger
 from model.unpad import HOST_KEYS
 
@@ -310,3 +311,17 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     training loader does on CUDA: ``PretrainingLoader(pin_memory=True)``); the unpadding's host keys
     (``model.unpad.HOST_KEYS``: exact kernel sizes) stay on the host."""
     return {k: v if k in HOST_KEYS else v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def out_of_memory(micro_batch: int) -> RankError:
+    """The one line of a micro-batch that ran out of device memory: this rank's peak, of how much, and half the
+    micro-batch to try (``train.global_batch`` stays: the accumulation steps follow)."""
+    from deepspeed.accelerator import get_accelerator
+
+    acc, gib = get_accelerator(), 1 << 30
+    peak, total = acc.max_memory_allocated() / gib, acc.total_memory() / gib
+    rank = os.environ.get("RANK", "0")
+    return RankError(
+        f"train.micro_batch={micro_batch} runs out of device memory on rank {rank} ({device_name()}): peak "
+        f"{peak:.1f} GiB of {total:.1f} GiB; try train.micro_batch={max(1, micro_batch // 2)}"
+    )

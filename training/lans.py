@@ -56,16 +56,18 @@ both LANS terms: w <- w - lr b1 r - lr (1-b1) c (LAMB: w <- w - lr r), as NVIDIA
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from common.errors import UserError
+from training import collectives
 from training.zero_map import GroupLayout, allreduce_sums, build_layouts
 
 NO_DECAY_MARKERS = ("bias", "LayerNorm", "layer_norm", "norm")
@@ -606,7 +608,14 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         self.trust_no_decay = bool(trust_no_decay)
         # id(flat partition tensor) -> layout; filled by attach_zero(); absent = "each tensor is whole".
         self._layouts: dict[int, GroupLayout] = {}
-        self.comm_seconds = 0.0  # wall time spent in the per-tensor norm all-reduces (benchmarks read it)
+        self._comm = _CommTimer()
+        self._segs: dict[tuple, torch.Tensor] = {}  # fragment -> tensor maps on the device, built once
+
+    @property
+    def comm_seconds(self) -> float:
+        """Time spent in the per-tensor norm all-reduces, to their completion (benchmarks read it; reading it
+        waits for the all-reduces timed on an accelerator)."""
+        return self._comm.seconds()
 
     # ---- ZeRO ---------------------------------------------------------------------------------------
     def set_layouts(self, layouts: dict[int, GroupLayout]) -> None:
@@ -726,12 +735,19 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         return GroupFragments(ws, gs, ms, vs, list(range(n)), n, None, steps, device=ms[0].device, lowp=lowp)
 
     def _allreduce(self, sums: torch.Tensor, pg: Any) -> torch.Tensor:
-        if pg is None:
+        if pg is None or collectives.world_size() == 1:
             return sums
-        t0 = time.perf_counter()
-        out = allreduce_sums(sums, pg)
-        self.comm_seconds += time.perf_counter() - t0
-        return out
+        with self._comm.timing(sums.device):
+            return allreduce_sums(sums, pg)
+
+    def _seg(self, f: GroupFragments) -> torch.Tensor:
+        """Fragment -> tensor index on the device: copied from the host once per layout, not every step (a
+        copy from a Python list waits for the device)."""
+        key = (f.device, tuple(f.tensor_index))
+        seg = self._segs.get(key)
+        if seg is None:
+            seg = self._segs[key] = torch.tensor(f.tensor_index, dtype=torch.long, device=f.device)
+        return seg
 
     def _step_group(self, group: dict) -> None:
         """Per-tensor norms from per-fragment sums of squares, each all-reduced once (LANS: ||g||, then
@@ -742,7 +758,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         kernels_cls = self._resolve_impl(f.device)
         self.last_impl = kernels_cls.name
         kernels = kernels_cls(f, range(len(f)), self)
-        seg = torch.tensor(f.tensor_index, dtype=torch.long, device=f.device)
+        seg = self._seg(f)
 
         # Phase 1 (LANS only): ||g||^2 per tensor, all-reduced -- the normalisation must precede the moments.
         g_norm = None
@@ -775,9 +791,14 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         """The kernels' per-fragment scalars ``sc`` (float64; each implementation rounds them to its
         fragments' working dtype), and k_r, k_c (r = k_r r', c = k_c c')."""
         (b1, b2), eps, wd = group["betas"], group["eps"], group["weight_decay"]
-        step_t = torch.tensor(f.steps, dtype=torch.float64, device=f.device)
-        bc1 = 1 - b1**step_t
-        bc2 = 1 - b2**step_t
+        if len(set(f.steps)) <= 1:  # every tensor at the same step (always under ZeRO): host arithmetic
+            t = f.steps[0] if f.steps else 1
+            one = torch.ones(len(f), dtype=torch.float64, device=f.device)
+            bc1, bc2 = one * (1 - b1**t), one * (1 - b2**t)
+        else:  # tensors that joined later (a parameter unfrozen mid-run): their own bias corrections
+            step_t = torch.tensor(f.steps, dtype=torch.float64, device=f.device)
+            bc1 = 1 - b1**step_t
+            bc2 = 1 - b2**step_t
         k_r = bc2.sqrt() / bc1
         k_c = bc2.sqrt()
         if self._lans:
@@ -819,6 +840,42 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         else:
             a = torch.stack([-lr * coef_r, torch.zeros_like(coef_r)], dim=1)
         return a
+
+
+class _CommTimer:
+    """Time of the collectives it wraps, to their completion: wall time around a host-synchronous collective
+    (gloo on CPU tensors), device events around one on an accelerator (enqueued, not waited for: read
+    when ``seconds`` is called, which waits for the newest)."""
+
+    def __init__(self) -> None:
+        self.done = 0.0
+        self.pending: list[tuple[Any, Any]] = []
+
+    @contextlib.contextmanager
+    def timing(self, device: torch.device) -> Iterator[None]:
+        if device.type == "cpu":
+            t0 = time.perf_counter()
+            yield
+            self.done += time.perf_counter() - t0
+            return
+        start, end = torch.Event(device=device, enable_timing=True), torch.Event(device=device, enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.pending.append((start, end))
+        self._fold(wait=False)
+
+    def _fold(self, wait: bool) -> None:
+        """Add the timed collectives that have completed (all of them, waiting, with ``wait``): a run that
+        never reads ``seconds`` holds only the few pairs still in flight."""
+        while self.pending and (wait or self.pending[0][1].query()):
+            start, end = self.pending.pop(0)
+            end.synchronize()
+            self.done += start.elapsed_time(end) / 1000.0
+
+    def seconds(self) -> float:
+        self._fold(wait=True)
+        return self.done
 
 
 class LANS(_LayerwiseAdaptive):

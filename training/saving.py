@@ -357,16 +357,21 @@ def save_in_background(
         lambda state_dict, path, *args, **kwargs: writes.append((_host_copy(state_dict, copies), str(path))),
         Exception,  # host memory, or a state object that cannot be copied
     )
-    with capture:
-        engine.save_checkpoint(
-            str(ckpt_dir), tag=tag, client_state={"client": client_state, **extra}, save_latest=False
-        )
+    try:
+        with capture:
+            engine.save_checkpoint(
+                str(ckpt_dir), tag=tag, client_state={"client": client_state, **extra}, save_latest=False
+            )
+        rng = rng_state()
+    except BaseException:
+        copies.release()  # no writer will: the next save gets the pool back
+        raise
     error = None
     if capture.error is not None:
         e = capture.error
         error = f"copying {Path(capture.failed_path).name} to host memory failed: {type(e).__name__}: {e}"
         writes = []
-    writes.append((rng_state(), str(ckpt_dir / tag / f"rng_rank{rank}.pt")))
+    writes.append((rng, str(ckpt_dir / tag / f"rng_rank{rank}.pt")))
     client = {"format": FORMAT, **client_state} if rank == 0 else None
     return BackgroundSave(ckpt_dir, step, rank, writes, client, error=error, copies=copies)
 

@@ -36,7 +36,7 @@ from training import collectives, events
 from training.checkpointer import Checkpointer, EventLog
 from training.clock import Clock, peak_memory_bytes, synchronize
 from training.config import TrainSection
-from training.devices import to_device
+from training.devices import out_of_memory, to_device
 from training.evaluate import evaluate
 from training.logbook import LOSS_PARTS, Logbook
 from training.metrics import flops_per_sec_per_device, mfu, throughput
@@ -228,9 +228,12 @@ class Trainer:
         for _ in range(self.grad_accum):
             batch, counted = self._next_batch()
             work += counted
-            out = self.engine(**batch)
-            self.engine.backward(out["loss"])
-            self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+            try:
+                out = self.engine(**batch)
+                self.engine.backward(out["loss"])
+                self.engine.step()  # DeepSpeed steps the optimizer only at the accumulation boundary
+            except torch.OutOfMemoryError:
+                raise out_of_memory(self.cfg.micro_batch) from None
             pieces = torch.stack([out[k].detach().float() for k in reduction.name_pieces(out)])
             sums = pieces if sums is None else sums + pieces
         assert sums is not None
