@@ -223,7 +223,8 @@ def test_fp32_on_the_gpu_is_as_accurate_as_fp32_on_the_cpu(bert_data):  # noqa: 
 
 
 def test_lans_takes_its_intended_path_on_the_gpu():
-    """impl=auto resolves to the compiled ("fused") kernels on CUDA, with no fallback warning."""
+    """impl=auto resolves to the flat-partition path ("multi") on CUDA; tensors that are not a ZeRO partition
+    go to the compiled kernels, with no fallback warning."""
     import warnings
 
     from training.lans import LANS
@@ -238,7 +239,7 @@ def test_lans_takes_its_intended_path_on_the_gpu():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a fallback warns: here it fails the test
         opt.step()
-    assert opt.last_impl == "fused"
+    assert opt.last_impl == "multi" and opt.flat_group_steps == 0
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -293,3 +294,43 @@ def test_a_micro_batch_out_of_device_memory_is_one_line(bert_data, tmp_path):  #
     assert lines[0].startswith("error: train.micro_batch=4096 runs out of device memory on rank 0 (")
     assert " GiB of " in lines[0] and lines[0].endswith("try train.micro_batch=2048"), lines[0]
     assert not (run_dir / "checkpoints" / "latest").exists()
+
+
+def test_lans_flat_partition_path_has_no_host_sync_on_the_gpu():
+    """The accelerators' LANS path on a ZeRO-like flat partition (a tensor in two fragments, others whole): no
+    host sync in a step (CUDA's sync-debug warnings counted by common.syncs), every group step taken whole, and
+    the same weights as the foreach path on the same layout after 3 steps."""
+    from common.syncs import count_host_syncs
+    from training.lans import LANS
+    from training.zero_map import GroupLayout
+
+    numels = [300_000, 700, 5]
+    torch.manual_seed(0)
+    init = torch.randn(sum(numels), device="cuda")
+    grads = [torch.randn(sum(numels), device="cuda") for _ in range(4)]
+    out = {}
+    for impl in ("multi", "foreach"):
+        flat = torch.nn.Parameter(init.clone())
+        layout = GroupLayout(
+            starts=[0, 100_000, 300_000, 300_700],
+            numels=[100_000, 200_000, 700, 5],
+            tensor_index=[0, 0, 1, 2],
+            num_tensors=3,
+            partition_numel=flat.numel(),
+            tensor_numels=numels,
+            process_group=object(),  # one rank: the all-reduce returns the sums
+        )
+        opt = LANS([flat], lr=1e-2, impl=impl)
+        opt.set_layouts({id(flat): layout})
+        it = iter(grads)
+
+        def step(flat=flat, opt=opt, it=it):
+            flat.grad = next(it).clone()
+            opt.step()
+
+        syncs = count_host_syncs(step, steps=3, warmup=1)
+        out[impl] = (flat.detach().clone(), syncs, opt.flat_group_steps)
+    (w, syncs, taken), (w_ref, _, _) = out["multi"], out["foreach"]
+    assert syncs.total == 0, syncs
+    assert taken == 4
+    torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)

@@ -233,7 +233,7 @@ def test_zero_map_does_not_import_lans() -> None:
 
 def test_fragments_an_implementation_does_not_take_go_to_its_fallback() -> None:
     """ "cpu" hands gradients other than fp32 / bf16 to the foreach ops, "fused" fragments under
-    fused_min_numel; "foreach" takes everything."""
+    fused_min_numel, "multi" groups that are not a flat partition; "foreach" takes everything."""
     dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float32]
     params = [torch.nn.Parameter(torch.randn(n).to(dt)) for n, dt in zip([100, 10, 100, 10, 10], dtypes)]
     for p in params:
@@ -243,18 +243,19 @@ def test_fragments_an_implementation_does_not_take_go_to_its_fallback() -> None:
     frags = opt._collect(opt.param_groups[0])
     assert frags is not None and len(frags) == 5
     routes = {}
-    for kernels in (lans_mod._CppKernels, lans_mod._CompiledKernels, lans_mod._ForeachKernels):
+    for kernels in (lans_mod._CppKernels, lans_mod._CompiledKernels, lans_mod._ForeachKernels, lans_mod._FlatKernels):
         k = kernels(frags, range(len(frags)), opt)
         routes[k.name] = (k.idx, k.rest and (type(k.rest).__name__, k.rest.idx, k.rest.rest))
     assert routes == {
         "cpu": ([0, 2, 4], ("_ForeachKernels", [1, 3], None)),
         "fused": ([0, 2], ("_ForeachKernels", [1, 3, 4], None)),
         "foreach": ([0, 1, 2, 3, 4], None),
+        "multi": ([], ("_ForeachKernels", [0, 1, 2, 3, 4], None)),  # no flat partition here; on CPU: foreach
     }
-    assert lans_mod.IMPLS == ("auto", "cpu", "fused", "foreach")
+    assert lans_mod.IMPLS == ("auto", "cpu", "multi", "fused", "foreach")
 
 
-@pytest.mark.parametrize("impl", ["cpu", "fused", "foreach"])
+@pytest.mark.parametrize("impl", ["cpu", "fused", "foreach", "multi"])
 @pytest.mark.parametrize("cls", [LANS, LAMB])
 def test_zero_layout_all_reduces_once_per_phase(cls, impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A flat partition described by a layout (one tensor in two fragments, as at a ZeRO rank boundary):
@@ -297,6 +298,66 @@ def test_zero_layout_all_reduces_once_per_phase(cls, impl: str, monkeypatch: pyt
     per_step = [(3,), (3, 3)] if cls is LANS else [(3, 3)]
     assert calls == per_step * 3
     torch.testing.assert_close(flat.detach(), torch.cat([p.detach() for p in whole]), rtol=1e-6, atol=1e-7)
+    assert not torch.equal(flat.detach(), torch.cat(init))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("cls", [LANS, LAMB])
+def test_flat_partition_path_matches_reference(cls, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """impl="multi" (the accelerator path, here on CPU tensors) on a ZeRO-like flat partition (a tensor split
+    in two fragments, one whole, a zero one): 5 steps equal the per-tensor reference, to 1e-12 in float64 and
+    to fp32 rounding in fp32, each phase in whole-partition kernels (no per-fragment fallback)."""
+    monkeypatch.setattr(lans_mod, "allreduce_sums", lambda sums, pg: sums)  # a group of one rank
+    torch.manual_seed(11)
+    numels = [3_001, 40, 17]
+    init = [torch.randn(n, dtype=dtype) for n in numels]
+    init[2].zero_()
+    flat = torch.nn.Parameter(torch.cat(init))
+    layout = GroupLayout(
+        starts=[0, 1_000, 3_001, 3_041],
+        numels=[1_000, 2_001, 40, 17],
+        tensor_index=[0, 0, 1, 2],
+        num_tensors=3,
+        partition_numel=flat.numel(),
+        tensor_numels=numels,
+        process_group=object(),
+    )
+    hp = {"lr": 0.05, "b1": 0.9, "b2": 0.999, "eps": 1e-6, "wd": 0.01}
+    opt = cls([flat], lr=hp["lr"], betas=(hp["b1"], hp["b2"]), eps=hp["eps"], weight_decay=hp["wd"], impl="multi")
+    opt.set_layouts({id(flat): layout})
+    ref = [t.double().clone() for t in init]
+    states = [{"m": torch.zeros_like(t), "v": torch.zeros_like(t)} for t in ref]
+    taken: list[bool] = []
+    real_init = lans_mod._FlatKernels.__init__
+
+    def spy(self, *args, **kwargs) -> None:
+        real_init(self, *args, **kwargs)
+        taken.append(self.rest is None and len(self.idx) == 4)
+
+    monkeypatch.setattr(lans_mod._FlatKernels, "__init__", spy)
+    for step in range(1, 6):
+        torch.manual_seed(40 + step)
+        grads = [torch.randn(n, dtype=dtype) for n in numels]
+        grads[2].zero_()  # a zero gradient: ||g|| = 0
+        flat.grad = torch.cat(grads)
+        opt.step()
+        ref = reference_step(
+            ref,
+            grads,
+            states,
+            lr=hp["lr"],
+            b1=hp["b1"],
+            b2=hp["b2"],
+            eps=hp["eps"],
+            wd=hp["wd"],
+            step=step,
+            lans=cls is LANS,
+        )  # fmt: skip -- the reference's keyword arguments on two lines
+        tol = {"rtol": 1e-12, "atol": 1e-15} if dtype == torch.float64 else {"rtol": 2e-5, "atol": 2e-6}
+        torch.testing.assert_close(flat.detach().double(), torch.cat(ref), **tol)
+        ref = [t.double().clone() for t in flat.detach().split(numels)]
+    assert taken == [True] * 5 and opt.last_impl == "multi"
+    assert opt.state[flat]["exp_avg"].dtype == dtype
     assert not torch.equal(flat.detach(), torch.cat(init))
 
 

@@ -22,7 +22,7 @@ STEPS, SAVE_AT = 8, 4
 ONE_RANK = "lans:0:fp32,lamb:0:fp32,lans:1:bf16"
 TWO_RANKS = (
     "lans:1:fp32,lamb:1:fp32,lans:2:fp32,lamb:2:fp32,lans:2:fp32:naive,lans:1:bf16,lans:2:bf16,lans:3:fp32:refuse,"
-    "lans:2:fp32:fused,lans:2:fp32:foreach"
+    "lans:2:fp32:fused,lans:2:fp32:foreach,lans:2:fp32:multi,lamb:1:fp32:multi"
 )
 RESUME = "lans:2:fp32,lamb:2:fp32"
 
@@ -66,13 +66,16 @@ def test_zero_two_ranks_matches_zero0_one_rank(runs: dict, opt: str, stage: int)
     assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) < 1e-5
 
 
-@pytest.mark.parametrize("impl", ["fused", "foreach"])
-def test_every_implementation_is_zero_invariant(runs: dict, impl: str) -> None:
+@pytest.mark.parametrize("spec", ["lans:2:fp32:fused", "lans:2:fp32:foreach", "lans:2:fp32:multi", "lamb:1:fp32:multi"])
+def test_every_implementation_is_zero_invariant(runs: dict, spec: str) -> None:
     """The default (C++ kernels on CPU) is tested above; the torch.compile and eager paths on ZeRO's flat
-    partition views must give the same parameters."""
-    got = runs[f"x2/lans:2:fp32:{impl}"]
+    partition views, and the flat-partition path (the accelerators' default) must give the same parameters."""
+    got = runs[f"x2/{spec}"]
     assert got["info"]["attached_groups"] == 2
-    assert _max_rel_diff(got["params"], runs["x1/lans:0:fp32"]["params"]) < 1e-5
+    ref = runs[f"x1/{spec.split(':')[0]}:0:fp32"]
+    assert _max_rel_diff(got["params"], ref["params"]) < 1e-5
+    # the flat-partition path took both groups whole at every step (no per-fragment fallback)
+    assert got["info"]["flat_group_steps"] == (2 * STEPS if spec.endswith("multi") else 0)
     assert _max_rel_diff(got["params"], got["init_params"]) > 1e-2
 
 

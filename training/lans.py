@@ -33,12 +33,15 @@ hands it to its ``fallback``:
   AdamW-foreach's ~20. They take fp32 or bf16 gradients; fragments with other gradients (float64, fp16) go
   to the foreach ops instead.
 - ``"fused"`` (``_CompiledKernels``): three ``torch.compile``-d kernels per fragment (moments; sums of
-  squares; update) for fragments of 64k elements or more, the foreach ops for the rest: 15 passes. The
-  accelerator path.
+  squares; update) for fragments of 64k elements or more, the foreach ops for the rest: 15 passes. On
+  accelerators, the path of groups that are not a flat ZeRO partition.
 - ``"foreach"`` (``_ForeachKernels``): eager ``torch._foreach_*`` ops over the fragment lists; needs no
   compiler.
+- ``"multi"`` (``_FlatKernels``): a ZeRO group's flat partition as one tensor: a few element-wise kernels
+  and a segmented sum per phase, whatever the number of fragments, no host sync; groups that are not a flat
+  partition go to ``fused`` (accelerators) or ``foreach``. The accelerator path.
 
-``impl="auto"`` takes ``cpu`` for CPU tensors and ``fused`` elsewhere, and falls back (with a warning) to
+``impl="auto"`` takes ``cpu`` for CPU tensors and ``multi`` elsewhere, and falls back (with a warning) to
 ``fused`` / ``foreach`` when a build fails.
 
 Precision: the working dtype of a tensor is float64 for a float64 parameter and fp32 for every other. State
@@ -348,6 +351,9 @@ class GroupFragments:
     steps: list[int]  # per fragment: the step number of its tensor, after this step
     device: torch.device
     lowp: list[tuple[torch.Tensor, torch.Tensor]]  # (parameter, its fp32 master): cast back after the step
+    # ZeRO: the flat w, g, m, v the fragments are views of, when the fragments tile their start (``FlatKernels``)
+    flat: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    numels: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.ws)
@@ -374,8 +380,9 @@ class _Kernels(ABC):
         rest = [i for i, t in zip(idx, taken) if not t]
         self.rest: _Kernels | None = None
         if rest:
-            assert self.fallback is not None, f"impl {self.name!r} takes every fragment or names a fallback"
-            self.rest = self.fallback(frags, rest, opt)
+            fallback = self.fallback_for(frags.device)
+            assert fallback is not None, f"impl {self.name!r} takes every fragment or names a fallback"
+            self.rest = fallback(frags, rest, opt)
 
     @classmethod
     def usable(cls, device: torch.device) -> bool:
@@ -390,6 +397,11 @@ class _Kernels(ABC):
     def takes(self, i: int, opt: _LayerwiseAdaptive) -> bool:
         """Whether fragment ``i`` is ours; the others go to ``fallback``."""
         return True
+
+    @classmethod
+    def fallback_for(cls, device: torch.device) -> type[_Kernels] | None:
+        """The implementation that takes the fragments this one does not, on ``device``."""
+        return cls.fallback
 
     # The group step calls these three; each does our fragments, then has ``rest`` do its own.
     def grad_sumsq(self, out: torch.Tensor) -> None:
@@ -518,6 +530,103 @@ class _CompiledKernels(_Kernels):
             kern(f.gs[i], f.ws[i], f.ms[i], f.vs[i], rows[i], arows[i])
 
 
+class _FlatKernels(_Kernels):
+    """A ZeRO partition as one flat tensor: every phase is a handful of element-wise kernels and one segmented
+    sum over the whole partition, whatever its number of fragments (no per-fragment launch, no host sync).
+
+    The per-fragment scalars (LANS's 1/(||g||+eps), the trust-ratio coefficients) are spread over the elements
+    with ``repeat_interleave`` (its output size is known on the host); the per-fragment sums of squares are
+    ``torch.segment_reduce`` over the fragments' lengths, accumulated as the other paths do (float64 on CPU
+    and for float64 parameters, fp32 on accelerators). It takes the fragments of a group whose flat partition
+    they tile from its start, with every fragment at the same step (the bias corrections and weight-decay
+    factors are then the same for all: ZeRO always), and hands the others to ``fallback``. The accelerator
+    path of ``impl="auto"``; CPU CI runs it on CPU tensors (``impl="multi"``)."""
+
+    name = "multi"
+    fallback = _ForeachKernels
+
+    @classmethod
+    def fallback_for(cls, device: torch.device) -> type[_Kernels] | None:
+        """Groups that are not a flat partition: the compiled kernels on accelerators where they compile,
+        else the foreach ops (CPU: the C++ kernels are the default there; ``multi`` is asked for by name)."""
+        return _CompiledKernels if device.type != "cpu" and _fused_available(device) else _ForeachKernels
+
+    def __init__(self, frags: GroupFragments, idx: Sequence[int], opt: _LayerwiseAdaptive) -> None:
+        self.ok = frags.flat is not None and len(set(frags.steps)) <= 1
+        super().__init__(frags, idx, opt)
+        opt.flat_group_steps += bool(self.idx)
+        if self.idx:
+            self.lengths = opt._lengths(frags)
+            self.total = sum(frags.numels or [])
+            w = frags.flat[0] if frags.flat is not None else frags.ws[0]
+            self.acc = _sumsq_dtype(w)
+
+    def takes(self, i: int, opt: _LayerwiseAdaptive) -> bool:
+        return self.ok
+
+    def _spread(self, per_fragment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """One value per fragment -> one per element of the flat partition."""
+        return torch.repeat_interleave(per_fragment.to(dtype), self.lengths, output_size=self.total)
+
+    def _segment_sumsq(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.acc)
+        # unsafe: no validation of the lengths (it reads them on the host); they tile the partition by construction
+        return torch.segment_reduce(x * x, "sum", lengths=self.lengths, unsafe=True).to(torch.float64)
+
+    def _grad_sumsq(self) -> torch.Tensor:
+        assert self.frags.flat is not None
+        return self._segment_sumsq(self.frags.flat[1])
+
+    # Taking every fragment, in order, it writes the whole output: no index list to copy to the device.
+    def grad_sumsq(self, out: torch.Tensor) -> None:
+        if self.idx and self.rest is None:
+            out.copy_(self._grad_sumsq())
+        else:
+            super().grad_sumsq(out)
+
+    def moments_sumsq(self, sc: torch.Tensor, parts: torch.Tensor) -> None:
+        if self.idx and self.rest is None:
+            parts.copy_(self._moments_sumsq(sc))
+        else:
+            super().moments_sumsq(sc, parts)
+
+    def _ru_cu(self, sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """r' and (LANS) c' over the flat partition, from the updated moments."""
+        assert self.frags.flat is not None
+        w, g, m, v = self.frags.flat
+        c0 = sc[0].to(w.dtype)  # the same for every fragment (one step): 0-d tensors, no host read
+        b = v.sqrt().add_(c0[4])
+        r = (m / b).add_(w * c0[5])
+        if not self.lans:
+            return r, None
+        gt = g.to(w.dtype) * self._spread(sc[:, 0], w.dtype)
+        return r, gt.div_(b).add_(w * c0[6])
+
+    def _moments_sumsq(self, sc: torch.Tensor) -> torch.Tensor:
+        assert self.frags.flat is not None
+        w, g, m, v = self.frags.flat
+        c0 = sc[0].to(w.dtype)
+        gt = g.to(w.dtype)
+        if self.lans:
+            gt = gt * self._spread(sc[:, 0], w.dtype)
+        m.lerp_(gt, c0[1])
+        v.mul_(c0[2]).add_(gt * gt * c0[3])
+        del gt
+        r, c = self._ru_cu(sc)
+        rsq, wsq = self._segment_sumsq(r), self._segment_sumsq(w)
+        csq = self._segment_sumsq(c) if c is not None else torch.zeros_like(rsq)
+        return torch.stack([rsq, csq, wsq], dim=1)
+
+    def _update(self, sc: torch.Tensor, a: torch.Tensor) -> None:
+        assert self.frags.flat is not None
+        w = self.frags.flat[0]
+        r, c = self._ru_cu(sc)
+        step = r.mul_(self._spread(a[:, 0], w.dtype))
+        if c is not None:
+            step.add_(c.mul_(self._spread(a[:, 1], w.dtype)))
+        w.add_(step)
+
+
 def _rows(table: torch.Tensor, ms: list[torch.Tensor]) -> list[torch.Tensor]:
     """Row i of a float64 per-fragment table in fragment i's working dtype (``ms[i].dtype``)."""
     by_dtype = {dt: table.to(dt).unbind(0) for dt in {m.dtype for m in ms}}
@@ -568,7 +677,7 @@ class _CppKernels(_Kernels):
 
 
 # The implementations a user may name (``impl``); ``impl="auto"`` takes the first usable one on the device.
-_KERNELS: tuple[type[_Kernels], ...] = (_CppKernels, _CompiledKernels, _ForeachKernels)
+_KERNELS: tuple[type[_Kernels], ...] = (_CppKernels, _FlatKernels, _CompiledKernels, _ForeachKernels)
 IMPLS = ("auto", *(k.name for k in _KERNELS))
 
 
@@ -609,6 +718,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         # id(flat partition tensor) -> layout; filled by attach_zero(); absent = "each tensor is whole".
         self._layouts: dict[int, GroupLayout] = {}
         self._comm = _CommTimer()
+        self.flat_group_steps = 0  # group steps the flat-partition path (impl "multi") took whole
         self._segs: dict[tuple, torch.Tensor] = {}  # fragment -> tensor maps on the device, built once
 
     @property
@@ -700,6 +810,9 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
             vs = [v.narrow(0, s, n) for s, n in zip(layout.starts, layout.numels)]
             steps = [st["step"] + 1] * len(ws)
             st["step"] += 1
+            tiled = all(a + n == b for a, n, b in zip(layout.starts, layout.numels, layout.starts[1:]))
+            covered = layout.starts[-1] + layout.numels[-1] if layout.starts else 0
+            flat = (w[:covered], g[:covered], m[:covered], v[:covered]) if tiled and layout.starts[:1] == [0] else None
             return GroupFragments(
                 ws,
                 gs,
@@ -711,6 +824,8 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
                 steps,
                 device=m.device,
                 lowp=[],
+                flat=flat,
+                numels=list(layout.numels),
             )
         ws, gs, ms, vs, steps, lowp = [], [], [], [], [], []
         for p in params:
@@ -735,10 +850,20 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         return GroupFragments(ws, gs, ms, vs, list(range(n)), n, None, steps, device=ms[0].device, lowp=lowp)
 
     def _allreduce(self, sums: torch.Tensor, pg: Any) -> torch.Tensor:
-        if pg is None or collectives.world_size() == 1:
+        if pg is None:
             return sums
+        if collectives.world_size() == 1:  # nothing to wait for: not timed
+            return allreduce_sums(sums, pg)
         with self._comm.timing(sums.device):
             return allreduce_sums(sums, pg)
+
+    def _lengths(self, f: GroupFragments) -> torch.Tensor:
+        """The fragments' lengths on the device, copied once per layout (``FlatKernels``)."""
+        key = ("lengths", f.device, tuple(f.numels or ()))
+        out = self._segs.get(key)
+        if out is None:
+            out = self._segs[key] = torch.tensor(f.numels or [], dtype=torch.long, device=f.device)
+        return out
 
     def _seg(self, f: GroupFragments) -> torch.Tensor:
         """Fragment -> tensor index on the device: copied from the host once per layout, not every step (a

@@ -132,7 +132,7 @@ def train_one(args: argparse.Namespace, spec: str, world: int, rank: int, gas: i
     """Train one model as ``spec`` says; return its final fp32 parameters, losses and layout facts."""
     name, stage, dtype, *flags = spec.split(":")
     naive = "naive" in flags
-    impl = next((f for f in flags if f in ("cpu", "fused", "foreach")), "auto")
+    impl = next((f for f in flags if f in ("cpu", "fused", "foreach", "multi")), "auto")
     config = ds_config(args, int(stage), dtype, gas)
     ckpt_name = spec.replace(":", "_")
     torch.manual_seed(0)
@@ -193,6 +193,7 @@ def train_one(args: argparse.Namespace, spec: str, world: int, rank: int, gas: i
         losses.append(float(step_loss) / world)
         if args.save_at is not None and engine.global_steps == args.save_at:
             engine.save_checkpoint(f"{args.save_dir}/{ckpt_name}", tag="ck")
+    info["flat_group_steps"] = opt.flat_group_steps
     return {
         "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
         "init_params": init,
