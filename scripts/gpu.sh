@@ -21,6 +21,8 @@ OUT=${OUT:-runs/gpu}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 SMOKE_STEPS=${SMOKE_STEPS:-20}
+# The real vocabulary and tokenizer the bundle carries, for the tests that read them (tests/conftest.py)
+[ -d "$BUNDLE/shared-data" ] && export WIKIPRETRAIN_SHARED_DATA="$BUNDLE/shared-data"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 DUMP=$(ls "$BUNDLE"/sample/*.bz2 2>/dev/null | head -1 || true)
 if [ -z "$DUMP" ]; then

@@ -24,6 +24,17 @@ else
   ARGS+=(--have torch==2.11.0 --have transformers --have h5py --have tokenizers --have numpy --have pyarrow)
 fi
 "$PY" -m launch bundle "${ARGS[@]}"
+# The real uncased vocabulary and the GPT-NeoX-20B tokenizer (../shared does not travel): scripts/gpu.sh points
+# the tests that read them at this copy (WIKIPRETRAIN_SHARED_DATA).
+SHARED=${SHARED_DATA:-../shared/data}
+mkdir -p "$DIR/shared-data"
+for f in bert-base-uncased-vocab.txt gpt-neox-20b-tokenizer.json; do
+  if [ -f "$SHARED/$f" ]; then
+    cp "$SHARED/$f" "$DIR/shared-data/"
+  else
+    echo "warning: $SHARED/$f not found: the GPU machine's tests that read it will skip" >&2
+  fi
+done
 
 BYTES=$(du -sb "$DIR" | cut -f1)
 if [ "$BYTES" -gt $((MAX_MIB * 1024 * 1024)) ]; then

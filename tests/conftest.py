@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+# The real vocabulary and tokenizer: ../shared/data beside the checkout, or where WIKIPRETRAIN_SHARED_DATA says
+# (scripts/gpu.sh: the GPU bundle's copy, since ../shared does not travel).
+SHARED_DATA = Path(os.environ.get("WIKIPRETRAIN_SHARED_DATA") or REPO.parent / "shared" / "data")
 
 
 def run_env() -> dict[str, str]:
