@@ -640,6 +640,7 @@ def test_a_stalled_data_loader_ends_its_rank_with_one_line(bert_data, tmp_path):
             "train.steps=100000",
             f"deepspeed.timeout_s={timeout_s}",
             "data.num_workers=1",
+            "data.prefetch=1",  # one transfer (512 rows) queued ahead: the stall shows a few dozen steps later
             "train.eval_every=0",
             "checkpoint.every=0",
         ),

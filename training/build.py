@@ -101,6 +101,7 @@ def _open_loader(
         dp_world=world,
         seed=train.seed,
         num_workers=data.num_workers,
+        prefetch_factor=data.prefetch,
         expect=expect,
         require_manifest=data.require_manifest,
         unpad=unpad,

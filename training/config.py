@@ -71,6 +71,9 @@ class DataSection:
     """vocab.txt / tokenizer.json the shards were made with (checked against the shards' hash; exported)."""
     num_workers: int = 1
     """Loader worker processes per rank."""
+    prefetch: int = 4
+    """Transfers each loader worker keeps ready (torch DataLoader's ``prefetch_factor``; a transfer is about
+    512 rows): host memory against a stall of the filesystem."""
     require_manifest: bool = True
     """Refuse shard directories without ``manifest.json`` (an interrupted ``python -m data bert|gpt`` leaves
     one); false reads shards made elsewhere (NVIDIA's) as they are, every rank opening every file."""
@@ -418,6 +421,7 @@ def validate(cfg: Config) -> None:
         "data.seq_len": cfg.data.seq_len,
         "logging.every": cfg.logging.every,
         "train.eval_samples": cfg.train.eval_samples,
+        "data.prefetch": cfg.data.prefetch,
     }
     for key, v in positive.items():
         if v <= 0:
