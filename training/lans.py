@@ -233,11 +233,13 @@ def _cpu_kernels(required: bool = False) -> Any:
     """The C++ CPU kernels (``training/csrc/lans_cpu.cpp``), built on first use with torch's extension
     builder and cached under ~/.cache/torch_extensions (a file lock keeps concurrent ranks from building
     twice). ``-march=native``: the cache name carries a hash of this CPU's model and flags, so a home
-    directory shared by different machines does not hand one machine another's binary. None if the build
-    fails (with a warning), or UserError when ``required`` (impl="cpu" asked for explicitly)."""
+    directory shared by different machines does not hand one machine another's binary (and of the source's
+    path and the Python environment, so that two checkouts do not rebuild one cache directory in turn). None if
+    the build fails (with a warning), or UserError when ``required`` (impl="cpu" asked for explicitly)."""
     if not _CPU_EXT:
         import hashlib
         import platform
+        import sys
         from pathlib import Path
 
         from torch.utils import cpp_extension
@@ -249,7 +251,10 @@ def _cpu_kernels(required: bool = False) -> Any:
         except OSError:
             pass
         src = Path(__file__).with_name("csrc") / "lans_cpu.cpp"
-        name = "lans_cpu_" + hashlib.sha256(cpu_id.encode()).hexdigest()[:10]
+        # and this copy of the source and this environment's torch: two checkouts or venvs sharing the cache
+        # would otherwise rebuild one directory in turn (ninja sees another command line each time)
+        where = f"{src.resolve()}:{sys.prefix}"
+        name = "lans_cpu_" + hashlib.sha256((cpu_id + where).encode()).hexdigest()[:10]
         try:
             ext = cpp_extension.load(
                 name,
