@@ -334,8 +334,9 @@ class Trainer:
             if self.clock.running:
                 self.clock.measured_steps += 1
             do_eval = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
-            # a stopping run saves once, after the loop, within the preemption grace
-            do_save = ckpt.due(step) and step < cfg.steps and not reduction.stop
+            # a stopping run saves once, after the loop, within the preemption grace: a due save waits for this
+            # step's stop flag (read below; the flag seen so far is the previous step's)
+            do_save = ckpt.due(step) and step < cfg.steps
             do_log = step % self.log_every == 0 or step == cfg.steps or do_eval
             stop_here = step == cfg.stop_at_step
             if do_log or do_eval or do_save or stop_here:
@@ -346,7 +347,7 @@ class Trainer:
                     self.last_eval = self.evaluate()
                 if do_log:
                     self._log_step(step, reduction, lr, do_eval)
-                if do_save:
+                if do_save and not reduction.stop:
                     ckpt.save_scheduled(step, self.progress())
                 if was_running:
                     self.clock.open()
