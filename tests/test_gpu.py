@@ -301,8 +301,8 @@ def test_lans_flat_partition_path_has_no_host_sync_on_the_gpu():
     host sync in a step (CUDA's sync-debug warnings counted by common.syncs), every group step taken whole, and
     the same weights as the foreach path on the same layout after 3 steps."""
     from common.syncs import count_host_syncs
+    from tests.test_lans import split_layout
     from training.lans import LANS
-    from training.zero_map import GroupLayout
 
     numels = [300_000, 700, 5]
     torch.manual_seed(0)
@@ -311,15 +311,7 @@ def test_lans_flat_partition_path_has_no_host_sync_on_the_gpu():
     out = {}
     for impl in ("multi", "foreach"):
         flat = torch.nn.Parameter(init.clone())
-        layout = GroupLayout(
-            starts=[0, 100_000, 300_000, 300_700],
-            numels=[100_000, 200_000, 700, 5],
-            tensor_index=[0, 0, 1, 2],
-            num_tensors=3,
-            partition_numel=flat.numel(),
-            tensor_numels=numels,
-            process_group=object(),  # one rank: the all-reduce returns the sums
-        )
+        layout = split_layout(numels, 100_000)  # one rank: the all-reduce returns the sums
         opt = LANS([flat], lr=1e-2, impl=impl)
         opt.set_layouts({id(flat): layout})
         it = iter(grads)

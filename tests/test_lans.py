@@ -68,6 +68,23 @@ def reference_step(params, grads, states, *, lr, b1, b2, eps, wd, step, lans: bo
     return out
 
 
+def split_layout(numels: list[int], split: int) -> GroupLayout:
+    """A ZeRO-like layout of one flat partition holding ``numels`` tensors in order, the first of them in two
+    fragments split at ``split`` (as at a rank boundary); a group of one rank (``process_group`` set, so the
+    sums go through the all-reduce)."""
+    first, rest = numels[0], numels[1:]
+    starts = [0, split, *(first + sum(rest[:k]) for k in range(len(rest)))]
+    return GroupLayout(
+        starts=starts,
+        numels=[split, first - split, *rest],
+        tensor_index=[0, *range(len(numels))],
+        num_tensors=len(numels),
+        partition_numel=sum(numels),
+        tensor_numels=list(numels),
+        process_group=object(),
+    )
+
+
 def _grads(model: torch.nn.Module, seed: int) -> None:
     torch.manual_seed(seed)
     x = torch.randint(0, 11, (8, 5))
@@ -272,15 +289,7 @@ def test_zero_layout_all_reduces_once_per_phase(cls, impl: str, monkeypatch: pyt
     numels = [70_001, 300, 40]
     init = [torch.randn(n) for n in numels]
     flat = torch.nn.Parameter(torch.cat(init))
-    layout = GroupLayout(
-        starts=[0, 50_000, 70_001, 70_301],
-        numels=[50_000, 20_001, 300, 40],
-        tensor_index=[0, 0, 1, 2],
-        num_tensors=3,
-        partition_numel=flat.numel(),
-        tensor_numels=numels,
-        process_group=object(),
-    )
+    layout = split_layout(numels, 50_000)
     whole = [torch.nn.Parameter(t.clone()) for t in init]
     opts = {"flat": cls([flat], lr=0.05, impl=impl), "whole": cls(whole, lr=0.05, impl=impl)}
     opts["flat"].set_layouts({id(flat): layout})
@@ -313,15 +322,7 @@ def test_flat_partition_path_matches_reference(cls, dtype: torch.dtype, monkeypa
     init = [torch.randn(n, dtype=dtype) for n in numels]
     init[2].zero_()
     flat = torch.nn.Parameter(torch.cat(init))
-    layout = GroupLayout(
-        starts=[0, 1_000, 3_001, 3_041],
-        numels=[1_000, 2_001, 40, 17],
-        tensor_index=[0, 0, 1, 2],
-        num_tensors=3,
-        partition_numel=flat.numel(),
-        tensor_numels=numels,
-        process_group=object(),
-    )
+    layout = split_layout(numels, 1_000)
     hp = {"lr": 0.05, "b1": 0.9, "b2": 0.999, "eps": 1e-6, "wd": 0.01}
     opt = cls([flat], lr=hp["lr"], betas=(hp["b1"], hp["b2"]), eps=hp["eps"], weight_decay=hp["wd"], impl="multi")
     opt.set_layouts({id(flat): layout})

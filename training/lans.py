@@ -724,7 +724,7 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         self._layouts: dict[int, GroupLayout] = {}
         self._comm = _CommTimer()
         self.flat_group_steps = 0  # group steps the flat-partition path (impl "multi") took whole
-        self._segs: dict[tuple, torch.Tensor] = {}  # fragment -> tensor maps on the device, built once
+        self._segs: dict[tuple, torch.Tensor] = {}  # per-fragment maps and lengths on the device (_on_device)
 
     @property
     def comm_seconds(self) -> float:
@@ -862,22 +862,22 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
         with self._comm.timing(sums.device):
             return allreduce_sums(sums, pg)
 
-    def _lengths(self, f: GroupFragments) -> torch.Tensor:
-        """The fragments' lengths on the device, copied once per layout (``FlatKernels``)."""
-        key = ("lengths", f.device, tuple(f.numels or ()))
+    def _on_device(self, what: str, values: Sequence[int], device: torch.device) -> torch.Tensor:
+        """A per-fragment list of ints as a device tensor, copied from the host once per layout, not every step
+        (a copy from a Python list waits for the device)."""
+        key = (what, device, tuple(values))
         out = self._segs.get(key)
         if out is None:
-            out = self._segs[key] = torch.tensor(f.numels or [], dtype=torch.long, device=f.device)
+            out = self._segs[key] = torch.tensor(values, dtype=torch.long, device=device)
         return out
 
+    def _lengths(self, f: GroupFragments) -> torch.Tensor:
+        """The fragments' lengths (``FlatKernels``)."""
+        return self._on_device("lengths", f.numels or [], f.device)
+
     def _seg(self, f: GroupFragments) -> torch.Tensor:
-        """Fragment -> tensor index on the device: copied from the host once per layout, not every step (a
-        copy from a Python list waits for the device)."""
-        key = (f.device, tuple(f.tensor_index))
-        seg = self._segs.get(key)
-        if seg is None:
-            seg = self._segs[key] = torch.tensor(f.tensor_index, dtype=torch.long, device=f.device)
-        return seg
+        """Fragment -> tensor index."""
+        return self._on_device("seg", f.tensor_index, f.device)
 
     def _step_group(self, group: dict) -> None:
         """Per-tensor norms from per-fragment sums of squares, each all-reduced once (LANS: ||g||, then
