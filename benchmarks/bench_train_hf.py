@@ -161,6 +161,15 @@ def build_peer_model(name: str, vocab_size: int, attention: str = "sdpa") -> tor
     return GPTNeoXForCausalLM(hf_config(spec, attention))
 
 
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="registry name (bert-debug, bert-10m, neox-debug, ...)")
@@ -175,6 +184,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="DataLoader worker processes")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", required=True, help="JSON file for the result")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the Trainer on the GPU (BF16 autocast, fp32 weights, its default fused AdamW); the clock "
+        "synchronises the device at its two marks; $WIKIPRETRAIN_DEVICE_MEMORY_GIB caps it as it does train.py",
+    )
     return p.parse_args(argv)
 
 
@@ -185,6 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.global_batch % args.micro_batch:
         raise UserError(f"--global-batch={args.global_batch} is not a multiple of --micro-batch={args.micro_batch}")
     torch.set_num_threads(args.threads)
+    cuda = args.device == "cuda"
+    if cuda:
+        if not torch.cuda.is_available():
+            raise UserError("--device cuda: torch sees no CUDA device")
+        from training.engine import cap_device_memory
+
+        cap_device_memory()
     try:
         import accelerate  # noqa: F401  (Trainer's hard requirement; fail with a clear line, not deep inside)
         from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -208,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         # for any model.
         model.accepts_loss_kwargs = False
         same_task_rel_diff = check_same_task(
-            model, get_spec(args.model, vocab_size=vocab_size), args.data, args.micro_batch
-        )
+            model, get_spec(args.model, vocab_size=vocab_size), args.data, min(args.micro_batch, 4)
+        )  # on the host, before the Trainer moves the model: a few rows show the labels are the same task
     else:
         same_task_rel_diff = None
 
@@ -222,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
             self.cpu0 = self.cpu1 = 0.0
 
         def on_step_end(self, a, state, control, **kw):  # noqa: ARG002
+            if cuda and state.global_step in (args.warmup, args.steps):
+                torch.cuda.synchronize()
             if state.global_step == args.warmup:
                 self.t0, self.cpu0 = time.perf_counter(), time.process_time()
             if state.global_step == args.steps:
@@ -231,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_train_hf_") as out_dir:
         targs = TrainingArguments(
             output_dir=out_dir,
-            use_cpu=True,
+            use_cpu=not cuda,
             bf16=True,
             per_device_train_batch_size=args.micro_batch,
             gradient_accumulation_steps=args.global_batch // args.micro_batch,
@@ -278,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         "optimizer": str(targs.optim.value if hasattr(targs.optim, "value") else targs.optim),
         "final_loss": float(result.training_loss),
         "same_task_rel_diff": same_task_rel_diff,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "peak_memory_gib": torch.cuda.max_memory_allocated() / (1 << 30) if cuda else None,
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": _version("transformers")},
     }
     Path(args.out).write_text(json.dumps(record) + "\n", encoding="utf-8")
     print(json.dumps(record))
