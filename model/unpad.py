@@ -10,18 +10,22 @@ calls each of them, so the parameters and their names are theirs (checkpoints an
 unchanged) and module hooks (ZeRO-3's parameter gathering) still fire. Activation checkpointing follows what
 ``gradient_checkpointing_enable`` set on each layer (``model.build``).
 
-Attention kernels, torch's own only:
+Attention kernels, torch's own only (``model.unpad_attention`` picks one; ``default_kernel`` is auto):
 
-* CUDA: ``F.scaled_dot_product_attention`` on jagged nested tensors (``torch.nested``, ``layout=torch.jagged``):
-  the varlen flash (FP16/BF16) or memory-efficient (FP32) kernels, attention dropout included.
+* ``padded``, the default on CUDA and every other accelerator: the packed q/k/v are scattered into
+  ``[B, max_seqlen]`` for attention alone and run through one SDPA call with a key-padding mask (the
+  memory-efficient kernel on CUDA, as ``transformers``' padded forward); the linear layers still see only the
+  real tokens. ``B * max_seqlen**2`` attention work plus a scatter and a gather: at BERT's lengths attention is
+  a small share of the FLOPs, and the padding it computes is the batch's, a few per cent in phase 1.
+* ``jagged``: ``F.scaled_dot_product_attention`` on jagged nested tensors (``torch.nested``,
+  ``layout=torch.jagged``), the varlen flash or memory-efficient kernels by design. Measured on an H200
+  (bert-large, seq 128, micro-batch 128, BF16, torch 2.11, docs/gpu-notes.md): 373 sequences/s against 1,291
+  for the padded ``transformers`` forward of the same run, so it is no longer the CUDA default.
   ``torch.nn.attention.varlen.varlen_attn`` is not used: it has no dropout, no FP32, and its signature changed
   between releases.
-* CPU: one SDPA call per sequence on its slice of the packed rows (lengths from the host copy of
-  ``cu_seqlens``): exactly ``sum(n_i**2)`` attention work. Measured (one thread, CPU time, dropout 0.1) faster
-  than the jagged SDPA (a math fallback on CPU, several times slower) and than the padded kernel below
-  (``B * max_seqlen**2`` work plus a scatter and a gather).
-* Any other device (Gaudi...): the packed q/k/v are scattered into ``[B, max_seqlen]`` for attention alone and
-  run through one SDPA call with a key-padding mask; the linear layers still see only the real tokens.
+* ``loop``, the CPU default: one SDPA call per sequence on its slice of the packed rows (lengths from the host
+  copy of ``cu_seqlens``): exactly ``sum(n_i**2)`` attention work. Measured (one thread, CPU time, dropout 0.1)
+  faster than the jagged SDPA (a math fallback on CPU, several times slower) and than ``padded``.
 
 Host synchronisation: none when the batch carries the loader's ``unpad_indices`` / ``cu_seqlens`` /
 ``max_seqlen`` (``data.loader.unpadding_index``). ``max_seqlen`` is used only when it is a Python int or a CPU
@@ -30,8 +34,8 @@ accept (reading it would wait for the device). The jagged tensors get both bound
 SDPA never computes them from the offsets with ``.item()``. Without the keys they are computed here (a
 ``nonzero``: direct callers only).
 
-Not checked on a GPU yet (no device in the session that wrote it): the jagged kernel runs in the CPU tests
-through SDPA's math fallback only, so its CUDA kernels, their dropout and checkpointing them are unverified.
+On a GPU: the jagged kernel trained in the GPU tier (bert-debug, LANS/AdamW, ZeRO-1/2, activation
+checkpointing) before ``padded`` became the CUDA default; ``padded`` on CUDA is not yet measured.
 """
 
 from __future__ import annotations
@@ -144,9 +148,10 @@ def nested(x: torch.Tensor, pack: Packing) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=pack.min_seqlen, max_seqlen=pack.max_seqlen)
 
 
-def default_kernel(device: torch.device) -> str:
-    """``jagged`` on CUDA, ``loop`` on CPU, ``padded`` elsewhere (see the module docstring)."""
-    return {"cuda": "jagged", "cpu": "loop"}.get(device.type, "padded")
+def default_kernel(device: torch.device | str) -> str:
+    """``loop`` on CPU, ``padded`` on CUDA and other accelerators (see the module docstring); ``device`` is a
+    device or its type's name."""
+    return "loop" if (device if isinstance(device, str) else device.type) == "cpu" else "padded"
 
 
 def varlen_attention(

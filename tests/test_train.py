@@ -246,19 +246,22 @@ def test_resume_is_exact(bert_data, straight_run, tmp_path):
     assert (run_dir / "summary.json").read_bytes() == before
 
 
-@pytest.mark.cuda  # on the GPU tier too: the jagged kernel there, the per-sequence one here
+@pytest.mark.cuda  # on the GPU tier too, where the padded-attention kernel is the default
 def test_unpadded_and_padded_runs_train_the_same_model(bert_data, tmp_path):
     """Two ranks, ZeRO-2, activation checkpointing, FP32, no dropout: BERT unpadded (``model.unpad``, the
-    default) and padded see the same samples and must give the same loss at every step (FP32 rounding apart:
-    the in-process tests hold both paths to a float64 run). Each counts what it computed: the padded run every
-    position, the unpadded one the real tokens, of the same data (one padding fraction)."""
+    default, with accelerators' attention kernel, ``model.unpad_attention=padded``) and padded see the same
+    samples and must give the same loss at every step (FP32 rounding apart: the in-process tests hold every
+    kernel to a float64 run). Each counts what it computed: the padded run every position, the unpadded one the
+    real tokens, of the same data (one padding fraction)."""
     same = ("deepspeed.precision=fp32", "model.dropout=0", "model.activation_checkpointing=true")
     same += ("train.steps=6", "train.eval_every=0", "checkpoint.every=0", "logging.every=1")
     runs = {}
     for unpad in ("true", "false"):
         run_dir = tmp_path / unpad
-        res = deepspeed(common(bert_data, run_dir, *same, f"model.unpad={unpad}"))
+        res = deepspeed(common(bert_data, run_dir, *same, f"model.unpad={unpad}", "model.unpad_attention=padded"))
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        on = "model.unpad: BERT computes its real tokens only, padded attention kernel"
+        assert (on in res.stdout + res.stderr) == (unpad == "true")
         runs[unpad] = run_dir
     unpadded, padded = (losses(runs[k]) for k in ("true", "false"))
     assert sorted(unpadded) == list(range(1, 7))

@@ -199,6 +199,7 @@ def test_unpadded_without_the_keys_and_with_each_kernel(batch):
     loss_bare, grads_bare = _run(model, bare)
     assert loss_bare == loss and all(torch.equal(grads[n], grads_bare[n]) for n in grads)
     assert unpad.default_kernel(torch.device("cpu")) == "loop"
+    assert unpad.default_kernel(torch.device("cuda")) == "padded"  # jagged measured 3.5x slower on an H200
     for kernel in unpad.KERNELS:
         model.attention_kernel = kernel
         loss_k, grads_k = _run(model, batch)

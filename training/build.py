@@ -220,6 +220,13 @@ def build_engine(
         log.info(f"built under zero.Init: this rank holds {held:,} of {whole:,} parameters")
     else:
         model = build_model(spec, attention=attention, activation_checkpointing=ckpt, unpad=model_cfg.unpad)
+    if getattr(model, "unpad", False):  # BERT on its real tokens (GPT-NeoX's windows have no padding)
+        from model.unpad import default_kernel
+
+        if model_cfg.unpad_attention != "auto":
+            model.attention_kernel = model_cfg.unpad_attention
+        kernel = model.attention_kernel or default_kernel(collectives.accelerator().device_name())
+        log.info(f"model.unpad: BERT computes its real tokens only, {kernel} attention kernel")
     if compile_wanted(model_cfg.compile, collectives.accelerator().device_name()):
         log.info(f"model.compile: compiling {compile_blocks(model)} transformer-block modules (dynamic shapes)")
     seed_everything(train.seed + 1000 * rank)  # rank-specific dropout streams
