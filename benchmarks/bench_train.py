@@ -32,6 +32,30 @@ processes share the CPU); the table shows the medians. Targets (from the issue):
 Toy size (CI, seconds, not a measurement): ``--models bert-debug --steps 2 --warmup 1 --repeats 1
 --micro-batch 2 --global-batch 4``.
 
+GPU rows (``--rows``, on one GPU; ``--tiny``: the same rows at debug sizes on CPU, run by CI, asserting that
+both sides produced every figure with MFU in (0, 1]). Each row is a shipped recipe (configs/) run by ours
+with each of its optimizers and by the Trainer (BF16 autocast, SDPA, fused AdamW; ``--peer-compile``: its
+``torch_compile``) on the same shards, sequence length and batches, at the row's micro-batch; ``--largest``
+then doubles each side's micro-batch until it runs out of device memory (``--largest-cap``) and records the
+runs that fitted:
+
+* ``bert-large-p1``: configs/bert-large-phase1.yaml (seq 128, max_pred 20), LAMB (the recipe's) and LANS,
+  ZeRO-1, micro-batch 64, global 1024;
+* ``bert-large-p2``: configs/bert-large-phase2.yaml (seq 512, max_pred 80, from scratch, not from phase 1),
+  LAMB and LANS, ZeRO-1, micro-batch 16, global 256;
+* ``neox-1.3b``: configs/neox-1.3b.yaml (seq 2048), AdamW, ZeRO-1, micro-batch 8, global 32.
+
+Per run: sequences/s, tokens/s and MFU (ours: its summary.json, real tokens only; the Trainer: every position
+it computes, dense MLM head, under the same FLOP convention, ``model.flops``), peak device memory, host syncs
+per measured step (CUDA's sync debug mode over the window; none on CPU), the mean optimizer-step time (the
+innermost torch optimizer: LANS/LAMB/AdamW), ours' checkpoint stall (a background save at the step before the
+last: its stall, and stall + write, what a synchronous save stalls), with the device, driver, torch, CUDA,
+DeepSpeed and transformers versions. ``scripts/gpu.sh`` runs them (``ROWS=all``) with the bundle's real
+vocabulary and tokenizer (``--vocab``, ``--tokenizer``); $WIKIPRETRAIN_DEVICE_MEMORY_GIB caps both sides.
+
+    python benchmarks/bench_train.py --rows all --largest --vocab V --tokenizer T --json rows.json   # GPU
+    python benchmarks/bench_train.py --tiny                                                         # CPU, ~1.5 min
+
 ``Trainer`` needs ``accelerate`` (>= 1.1), which the project itself does not use (the ``bench`` and ``dev``
 extras install it): ``pip install accelerate``, or ``pip install --no-deps --target DIR accelerate`` and
 ``--peer-site DIR`` (only the peer's process sees it).
@@ -40,6 +64,7 @@ extras install it): ``pip install accelerate``, or ``pip install --no-deps --tar
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -48,6 +73,8 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,12 +92,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default="/tmp/bench_train", help="text, vocabularies, shards, runs, logs (reused)")
     p.add_argument("--models", default="bert-debug,bert-10m,neox-debug", help="comma-separated registry names")
-    p.add_argument("--steps", type=int, default=30, help="measured optimizer steps (after --warmup)")
-    p.add_argument("--warmup", type=int, default=5, help="optimizer steps excluded from the timing")
+    p.add_argument("--steps", type=int, default=None, help="measured optimizer steps (after --warmup; 30, rows 10)")
+    p.add_argument("--warmup", type=int, default=None, help="optimizer steps excluded from the timing (5, rows 3)")
     p.add_argument("--repeats", type=int, default=2, help="measurements per (model, side); the median is shown")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (and OMP_NUM_THREADS), both")
-    p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--global-batch", type=int, default=32)
+    p.add_argument("--micro-batch", type=int, default=None, help="8; rows: the row's")
+    p.add_argument("--global-batch", type=int, default=None, help="32; rows: the row's")
     p.add_argument("--bert-seq", type=int, default=128, help="BERT sequence length (shards built for it)")
     p.add_argument("--max-pred", type=int, default=20, help="BERT masked positions per sequence")
     p.add_argument("--gpt-seq", type=int, default=128, help="GPT-NeoX sequence length (shards built for it)")
@@ -80,7 +107,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--peer-site", default=None, help="extra PYTHONPATH entry for the peer (where accelerate is)")
     p.add_argument("--rebuild", action="store_true", help="rebuild text, vocabularies and shards")
     p.add_argument("--json", default=None, help="also write every measurement and the medians to this file")
+    rows = p.add_argument_group("GPU rows (--rows / --tiny; see the module docstring)")
+    rows.add_argument("--rows", default=None, help=f"'all' or comma-separated: {', '.join(ROWS)}")
+    rows.add_argument("--tiny", action="store_true", help="the rows at debug sizes on CPU (CI; not a measurement)")
+    rows.add_argument("--largest", action="store_true", help="also each side's largest micro-batch that fits")
+    rows.add_argument("--largest-cap", type=int, default=1024, help="stop the largest-micro search here")
+    rows.add_argument("--peer-compile", action="store_true", help="the Trainer with torch_compile=True")
+    rows.add_argument("--vocab", default=None, help="BERT vocab.txt (default: built from the sample)")
+    rows.add_argument("--tokenizer", default=None, help="GPT-NeoX tokenizer.json (default: built from the sample)")
     args = p.parse_args(argv)
+    rows_mode = bool(args.rows or args.tiny)
+    for key, plain, in_rows in (
+        ("steps", 30, 10),
+        ("warmup", 5, 3),
+        ("micro_batch", 8, None),
+        ("global_batch", 32, None),
+    ):
+        if getattr(args, key) is None:
+            setattr(args, key, in_rows if rows_mode else plain)
+    if rows_mode:
+        return args
     for key in (
         "steps",
         "warmup",
@@ -126,20 +172,29 @@ def run_logged(cmd: list[str], log_path: Path, env: dict[str, str], what: str) -
 # ----------------------------------------------------------------------------------------------- data
 
 
-def build_data(work: Path, args: argparse.Namespace, kinds: tuple[str, ...] = ("bert", "gpt")) -> dict[str, Path]:
-    """Text, then for BERT (``kinds``) a WordPiece vocab and shards, for GPT a BPE tokenizer and shards, from
-    the enwiki sample (reused when present)."""
+def build_data(
+    work: Path,
+    args: argparse.Namespace,
+    kinds: tuple[str, ...] = ("bert", "gpt"),
+    vocab: str | None = None,
+    tokenizer: str | None = None,
+) -> dict[str, Path]:
+    """Text, then for BERT (``kinds``) a WordPiece vocab (or ``vocab``) and shards, for GPT a BPE tokenizer
+    (or ``tokenizer``) and shards, from the enwiki sample (reused when present)."""
     from data.sample import sample_dump_path
 
     py = sys.executable
     env = subprocess_env(1)
     paths = {
         "text": work / "text",
-        "vocab": work / "vocab.txt",
-        "tokenizer": work / "tokenizer.json",
-        "bert": work / f"bert{args.bert_seq}-p{args.max_pred}",
-        "gpt": work / f"gpt{args.gpt_seq}",
+        "vocab": Path(vocab).resolve() if vocab else work / "vocab.txt",
+        "tokenizer": Path(tokenizer).resolve() if tokenizer else work / "tokenizer.json",
+        "bert": work / f"bert{args.bert_seq}-p{args.max_pred}{'-' + Path(vocab).stem if vocab else ''}",
+        "gpt": work / f"gpt{args.gpt_seq}{'-' + Path(tokenizer).stem if tokenizer else ''}",
     }
+    for given in (vocab, tokenizer):
+        if given and not Path(given).is_file():
+            raise UserError(f"{given}: no such vocabulary/tokenizer file")
     steps = [
         (
             "text",
@@ -178,9 +233,9 @@ def build_data(work: Path, args: argparse.Namespace, kinds: tuple[str, ...] = ("
     ]
     wanted = {"text"}
     if "bert" in kinds:
-        wanted |= {"vocab", "bert"}
+        wanted |= {"bert"} | (set() if vocab else {"vocab"})
     if "gpt" in kinds:
-        wanted |= {"tokenizer", "gpt"}
+        wanted |= {"gpt"} | (set() if tokenizer else {"tokenizer"})
     for name, cmd in steps:
         if name not in wanted:
             continue
@@ -392,8 +447,312 @@ def table(rows: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------------------ GPU rows
+
+
+@dataclass(frozen=True)
+class Row:
+    """One workload of ``--rows``: the shipped recipe, ours with each of its optimizers beside the Trainer."""
+
+    config: str
+    """The shipped recipe (configs/), which sets ZeRO, precision, schedule and the optimizer's settings."""
+    model: str
+    tiny_model: str
+    seq: int
+    tiny_seq: int
+    max_pred: int
+    optimizers: tuple[str, ...]
+    micro: int
+    """The micro-batch both sides run at (the largest-micro search starts from it)."""
+    global_batch: int
+
+
+ROWS = {
+    # bert-large phase 1 and 2: the recipe's LAMB and our LANS, ZeRO-1, BF16
+    "bert-large-p1": Row("bert-large-phase1", "bert-large", "bert-debug", 128, 128, 20, ("lamb", "lans"), 64, 1024),
+    "bert-large-p2": Row("bert-large-phase2", "bert-large", "bert-debug", 512, 512, 80, ("lamb", "lans"), 16, 256),
+    # neox-1.3b: AdamW, ZeRO-1, BF16
+    "neox-1.3b": Row("neox-1.3b", "neox-1.3b", "neox-debug", 2048, 128, 0, ("adamw",), 8, 32),
+}
+TINY = {"micro": 2, "global_batch": 4, "steps": 2, "warmup": 1}
+"""``--tiny``: the rows at debug sizes on CPU, a smoke test of the whole path (CI), not a measurement."""
+
+
+def versions() -> dict[str, str | None]:
+    """Device, driver, torch, CUDA, DeepSpeed and transformers versions, recorded beside every figure."""
+    import torch
+
+    from training.devices import device_name
+
+    driver = None
+    if torch.cuda.is_available() and shutil.which("nvidia-smi"):
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        driver = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    found: dict[str, str | None] = {}
+    for package in ("deepspeed", "transformers"):
+        try:
+            found[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            found[package] = None
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else device_name(),
+        "driver": driver,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        **found,
+    }
+
+
+def row_data(work: Path, row: Row, args: argparse.Namespace) -> dict[str, Path]:
+    """Shards at the row's sequence length (the enwiki sample; ``--vocab``/``--tokenizer`` when given, else
+    built from the sample), reused across runs."""
+    seq = row.tiny_seq if args.tiny else row.seq
+    data_args = argparse.Namespace(bert_seq=seq, max_pred=row.max_pred or 20, gpt_seq=seq, rebuild=args.rebuild)
+    kind = "gpt" if row.max_pred == 0 else "bert"
+    paths = build_data(work, data_args, (kind,), vocab=args.vocab, tokenizer=args.tokenizer)
+    return {"data": paths[kind], "vocab": paths["vocab" if kind == "bert" else "tokenizer"], "seq": Path(str(seq))}
+
+
+def _out_of_memory(log_path: Path) -> bool:
+    text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
+    return "out of device memory" in text or "OutOfMemoryError" in text
+
+
+def row_ours(row: Row, data: dict[str, Path], args, optimizer: str, micro: int, ports: Ports) -> dict | None:
+    """Ours on the row's recipe; None when the micro-batch runs out of device memory."""
+    import torch
+
+    work = Path(args.work)
+    model = row.tiny_model if args.tiny else row.model
+    global_batch = max(args.global_batch or row.global_batch, micro)
+    tag = f"{model}-seq{data['seq']}-{optimizer}-m{micro}"
+    run_dir = work / "runs" / tag
+    shutil.rmtree(run_dir, ignore_errors=True)
+    steps = args.warmup + args.steps
+    overrides = [
+        f"run.dir={run_dir}",
+        f"model.name={model}",
+        f"data.train={data['data']}",
+        "data.eval=null",
+        "train.init_from=null",  # phase 2 recipes start from phase 1: here from scratch
+        f"data.vocab={data['vocab']}",
+        f"data.seq_len={data['seq']}",
+        f"optimizer.name={optimizer}",
+        f"train.steps={steps}",
+        f"train.micro_batch={micro}",
+        f"train.global_batch={global_batch}",
+        "train.eval_every=0",
+        # one save in the background at the step before the last (its stall, and stall + write: what a
+        # synchronous save of the same checkpoint stalls); the run's final save is synchronous
+        f"checkpoint.every={steps - 1}",
+        "checkpoint.async_save=true",
+        "checkpoint.resume=never",
+        f"logging.warmup_steps={args.warmup}",
+        f"logging.every={steps}",
+    ]
+    if row.max_pred:
+        overrides.append(f"data.max_pred={row.max_pred}")
+    port = ports.take()
+    env = subprocess_env(args.threads)
+    env["MASTER_PORT"] = str(port)
+    script = str(REPO / "benchmarks" / "bench_train_ours.py")
+    if torch.cuda.is_available():
+        launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port)]
+        cmd = [*launcher, script, "--config", row.config, *overrides]
+    else:
+        cmd = [sys.executable, script, "--config", row.config, *overrides, f"run.threads_per_rank={args.threads}"]
+    log_path = work / "logs" / f"{tag}.log"
+    try:
+        wall = run_logged(cmd, log_path, env, f"train.py ({tag})")
+    except UserError:
+        if _out_of_memory(log_path):
+            return None
+        raise
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    probe = json.loads((run_dir / "bench_cpu.json").read_text(encoding="utf-8"))
+    from training import events
+
+    saves = [e for e in events.read(run_dir) if e["event"] == "checkpoint"]
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    background = next((e for e in saves if "write_s" in e), {})
+    return {
+        "side": "ours",
+        "optimizer": optimizer,
+        "micro_batch": micro,
+        "global_batch": global_batch,
+        **{k: summary.get(k) for k in ("sequences_per_sec", "tokens_per_sec", "mfu", "peak_memory_bytes")},
+        **{k: probe.get(k) for k in ("host_syncs_per_step", "optimizer_step_s")},
+        "checkpoint_stall_s": background.get("save_s"),
+        "checkpoint_sync_stall_s": background["save_s"] + background["write_s"] if background else None,
+        "padding_fraction": summary.get("padding_fraction"),
+        "first_step_s": summary.get("first_step_s"),
+        "wall_s": wall,
+    }
+
+
+def row_peer(row: Row, data: dict[str, Path], args, micro: int) -> dict | None:
+    """The Trainer on the same shards and shapes; None when the micro-batch runs out of device memory."""
+    import torch
+
+    work = Path(args.work)
+    model = row.tiny_model if args.tiny else row.model
+    global_batch = max(args.global_batch or row.global_batch, micro)
+    tag = f"{model}-seq{data['seq']}-peer-m{micro}"
+    out = work / "runs" / f"{tag}.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_train_hf.py"), "--model", model]
+    cmd += ["--data", str(data["data"]), "--steps", str(args.warmup + args.steps), "--warmup", str(args.warmup)]
+    cmd += ["--micro-batch", str(micro), "--global-batch", str(global_batch), "--threads", str(args.threads)]
+    cmd += ["--workers", "2" if torch.cuda.is_available() else "1", "--out", str(out)]
+    cmd += ["--device", "cuda" if torch.cuda.is_available() else "cpu"] + (["--compile"] if args.peer_compile else [])
+    log_path = work / "logs" / f"{tag}.log"
+    try:
+        wall = run_logged(cmd, log_path, subprocess_env(args.threads, args.peer_site), f"Trainer ({tag})")
+    except UserError:
+        if _out_of_memory(log_path):
+            return None
+        raise
+    rec = json.loads(out.read_text(encoding="utf-8"))
+    keep = ("sequences_per_sec", "tokens_per_sec", "mfu", "peak_memory_bytes", "host_syncs_per_step")
+    return {
+        "side": "peer",
+        "optimizer": rec.get("optimizer"),
+        "micro_batch": micro,
+        "global_batch": global_batch,
+        **{k: rec.get(k) for k in keep},
+        "optimizer_step_s": rec.get("optimizer_step_s"),
+        "checkpoint_stall_s": None,
+        "checkpoint_sync_stall_s": None,
+        "compile": rec.get("compile"),
+        "wall_s": wall,
+    }
+
+
+def largest(run, start: int, cap: int) -> tuple[list[dict], int | None]:
+    """Double the micro-batch from ``start`` while it fits (up to ``cap``): the runs that fitted and the
+    largest micro-batch that did (None if even ``start`` did not)."""
+    runs, fitted, micro = [], None, start
+    while micro <= cap:
+        rec = run(micro)
+        if rec is None:
+            break
+        runs.append(rec)
+        fitted, micro = micro, micro * 2
+    return runs, fitted
+
+
+def run_rows(args: argparse.Namespace) -> int:
+    """``--rows``/``--tiny``: each row's shared-micro-batch runs (ours with each optimizer, the Trainer), then
+    with ``--largest`` each side's largest micro-batch; a table and ``--json``."""
+    names = list(ROWS) if args.rows in ("all", None) else [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        raise UserError(f"--rows: unknown row(s) {', '.join(unknown)}; known: {', '.join(ROWS)}")
+    if args.tiny:
+        args.micro_batch, args.global_batch = TINY["micro"], TINY["global_batch"]
+        args.steps, args.warmup = TINY["steps"], TINY["warmup"]
+    check_peer_available(args.peer_site)
+    work = Path(args.work).resolve()
+    args.work = str(work)
+    work.mkdir(parents=True, exist_ok=True)
+    ports = Ports(args.port)
+    meta = versions()
+    log.info("versions: " + ", ".join(f"{k} {v}" for k, v in meta.items()))
+    results: dict[str, dict] = {}
+    for name in names:
+        row = ROWS[name]
+        t0 = time.perf_counter()
+        data = row_data(work, row, args)
+        micro = args.micro_batch or row.micro
+        runs = [row_ours(row, data, args, opt, micro, ports) for opt in row.optimizers]
+        runs.append(row_peer(row, data, args, micro))
+        if any(r is None for r in runs):
+            raise UserError(f"row {name}: micro-batch {micro} does not fit one side; give a smaller --micro-batch")
+        fits: dict[str, int | None] = {"ours": micro, "peer": micro}
+        if args.largest:
+            ours_at = partial(row_ours, row, data, args, row.optimizers[-1], ports=ports)
+            more, fitted = largest(lambda m, run=ours_at: run(micro=m), micro * 2, args.largest_cap)
+            fits["ours"], runs = fitted or micro, runs + more
+            peer_at = partial(row_peer, row, data, args)
+            more, fitted = largest(lambda m, run=peer_at: run(micro=m), micro * 2, args.largest_cap)
+            fits["peer"], runs = fitted or micro, runs + more
+        results[name] = {"row": name, "seq": int(str(data["seq"])), "runs": runs, "largest_micro_batch": fits}
+        results[name]["wall_s"] = time.perf_counter() - t0
+        log.info(f"row {name}: {len(runs)} runs in {results[name]['wall_s']:.0f}s")
+    text = rows_table(results, meta, args)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"versions": meta, "args": vars(args), "rows": results}, indent=2) + "\n")
+    if args.tiny:
+        check_tiny(results)
+    return 0
+
+
+def check_tiny(results: dict[str, dict]) -> None:
+    """Every row has both sides' figures, MFU in (0, 1]."""
+    for name, res in results.items():
+        sides = {r["side"] for r in res["runs"]}
+        if sides != {"ours", "peer"}:
+            raise UserError(f"row {name}: figures from {sorted(sides)} only")
+        for r in res["runs"]:
+            if not (r["sequences_per_sec"] and r["tokens_per_sec"] and r["mfu"] and 0 < r["mfu"] <= 1):
+                raise UserError(f"row {name}, {r['side']} {r['optimizer']}: incomplete or impossible figures {r}")
+
+
+def _fmt(value, spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def rows_table(results: dict[str, dict], meta: dict, args: argparse.Namespace) -> str:
+    head = ["row", "seq", "side", "optimizer", "micro x accum", "seq/s", "tokens/s", "MFU", "peak GiB"]
+    head += ["host syncs/step", "optimizer step ms", "ckpt stall s (bg / sync)"]
+    lines = [
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in meta.items()),
+        f"{args.steps} measured steps after {args.warmup}; ours: train.py on the row's recipe; peer: Trainer.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---" for _ in head) + "|",
+    ]
+    for name, res in results.items():
+        for r in res["runs"]:
+            stall = f"{_fmt(r['checkpoint_stall_s'], '.2f')} / {_fmt(r['checkpoint_sync_stall_s'], '.2f')}"
+            cells = [
+                name,
+                str(res["seq"]),
+                r["side"],
+                str(r["optimizer"]),
+                f"{r['micro_batch']} x {r['global_batch'] // r['micro_batch']}",
+                _fmt(r["sequences_per_sec"], ".1f"),
+                _fmt(r["tokens_per_sec"], ".0f"),
+                _fmt(r["mfu"], ".1%"),
+                _fmt(r["peak_memory_bytes"], ".1f", 1 / (1 << 30)),
+                _fmt(r["host_syncs_per_step"], ".1f"),
+                _fmt(r["optimizer_step_s"], ".2f", 1e3),
+                stall,
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for name, res in results.items():
+        shared = [r for r in res["runs"] if r["micro_batch"] == res["runs"][0]["micro_batch"]]
+        peer = next(r for r in shared if r["side"] == "peer")
+        ratios = ", ".join(
+            f"{r['optimizer']} {r['sequences_per_sec'] / peer['sequences_per_sec']:.2f}x"
+            for r in shared
+            if r["side"] == "ours"
+        )
+        lines.append(
+            f"{name}: ours / Trainer at micro-batch {peer['micro_batch']}: {ratios}; largest micro-batch "
+            f"that fits: ours {res['largest_micro_batch']['ours']}, Trainer {res['largest_micro_batch']['peer']}"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.rows or args.tiny:
+        return run_rows(args)
     from model.registry import FAMILIES, get_spec
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]

@@ -161,6 +161,12 @@ def build_peer_model(name: str, vocab_size: int, attention: str = "sdpa") -> tor
     return GPTNeoXForCausalLM(hf_config(spec, attention))
 
 
+def _peak_rss() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 def _version(package: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -184,6 +190,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="DataLoader worker processes")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out", required=True, help="JSON file for the result")
+    p.add_argument("--compile", action="store_true", help="TrainingArguments(torch_compile=True)")
     p.add_argument(
         "--device",
         choices=("cpu", "cuda"),
@@ -249,9 +256,14 @@ def main(argv: list[str] | None = None) -> int:
                 torch.cuda.synchronize()
             if state.global_step == args.warmup:
                 self.t0, self.cpu0 = time.perf_counter(), time.process_time()
+                probe.open()
             if state.global_step == args.steps:
+                probe.close()
                 self.t1, self.cpu1 = time.perf_counter(), time.process_time()
 
+    from benchmarks.bench_train_ours import StepProbe
+
+    probe = StepProbe()
     clock = Clock()
     with tempfile.TemporaryDirectory(prefix="bench_train_hf_") as out_dir:
         targs = TrainingArguments(
@@ -278,14 +290,25 @@ def main(argv: list[str] | None = None) -> int:
             logging_steps=args.steps,  # one loss read-back, at the end
             disable_tqdm=True,
             seed=args.seed,
+            torch_compile=args.compile,
         )
         trainer = Trainer(model=model, args=targs, train_dataset=dataset, callbacks=[clock])
-        result = trainer.train()
+        try:
+            result = trainer.train()
+        except torch.OutOfMemoryError:
+            raise UserError(f"--micro-batch={args.micro_batch} runs out of device memory ({args.model})") from None
     if clock.t0 is None or clock.t1 is None:
         raise UserError("the Trainer did not reach the measured steps")
     seconds = clock.t1 - clock.t0
     measured = args.steps - args.warmup
     seqs = measured * args.global_batch / seconds
+    # MFU as train.py counts it, of what the peer computes: every position of every row, its heads dense
+    from model.flops import training_flops_per_token
+    from training.devices import peak_flops
+
+    dense_head = seq_len if kind == "bert" else None  # BertForPreTraining's MLM head runs at every position
+    flops_per_token = training_flops_per_token(get_spec(args.model, vocab_size=vocab_size), seq_len, dense_head)
+    peak = peak_flops(torch.cuda.get_device_name() if cuda else "cpu", ("bfloat16", "float32"))
     record = {
         "model": args.model,
         "family": spec.family,
@@ -299,12 +322,16 @@ def main(argv: list[str] | None = None) -> int:
         "sequences_per_sec": seqs,
         "sequences_per_cpu_sec": measured * args.global_batch / (clock.cpu1 - clock.cpu0),
         "tokens_per_sec": seqs * seq_len,
+        "flops_per_token": flops_per_token,
+        "mfu": seqs * seq_len * flops_per_token / peak if peak else None,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else _peak_rss(),
+        **probe.result(measured),
+        "compile": args.compile,
         "threads": torch.get_num_threads(),
         "optimizer": str(targs.optim.value if hasattr(targs.optim, "value") else targs.optim),
         "final_loss": float(result.training_loss),
         "same_task_rel_diff": same_task_rel_diff,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / (1 << 30) if cuda else None,
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": _version("transformers")},
     }
     Path(args.out).write_text(json.dumps(record) + "\n", encoding="utf-8")

@@ -5,7 +5,8 @@ spent in the measured steps moves much less. This wrapper runs ``train.main`` in
 ``time.process_time()`` over every interval the Trainer's ``Clock`` holds its throughput window open (from
 ``Clock.open()`` to ``Clock.close()``: the measured training steps, with evaluation, saving and logging paused
 out of it; the same window as ``sequences_per_sec`` in summary.json), then writes RUN_DIR/bench_cpu.json on
-rank 0. Arguments are ``train.py``'s; it also works under the ``deepspeed`` launcher.
+rank 0, with the host syncs per measured step (CUDA) and the mean optimizer-step time of the same window
+(:class:`StepProbe`). Arguments are ``train.py``'s; it also works under the ``deepspeed`` launcher.
 
     python benchmarks/bench_train_ours.py model.name=bert-debug data.train=DIR ...
 """
@@ -21,6 +22,86 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+class StepProbe:
+    """Host syncs and optimizer-step time over a measured window (steady-state steps only), on either side.
+
+    ``open()``/``close()`` bracket the window. Optimizer steps are timed by torch's global optimizer-step hooks
+    (the innermost ``torch.optim.Optimizer`` step: LANS/LAMB/AdamW itself, not DeepSpeed's wrapper around it),
+    with device events on CUDA (no host sync added), wall time on CPU. Host syncs are counted on CUDA only,
+    with ``torch.cuda.set_sync_debug_mode("warn")`` while the window is open (``common.syncs``); on CPU there
+    is no device queue to wait for and the count is None.
+    """
+
+    def __init__(self) -> None:
+        import warnings
+
+        import torch
+        from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+        from common.syncs import SYNC_WARNING
+
+        self.torch = torch
+        self.cuda = torch.cuda.is_available()
+        self.is_open = False
+        self.syncs = 0
+        self._start: object | None = None
+        self._spans: list[tuple[object, object]] = []
+        register_optimizer_step_pre_hook(self._pre)
+        register_optimizer_step_post_hook(self._post)
+        if self.cuda:
+            shown = warnings.showwarning
+
+            def show(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
+                if str(message).startswith(SYNC_WARNING):
+                    self.syncs += self.is_open
+                    return
+                shown(message, category, filename, lineno, file, line)
+
+            warnings.showwarning = show
+            warnings.filterwarnings("always", message=SYNC_WARNING)
+
+    def _mark(self) -> object:
+        if self.cuda:
+            event = self.torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _pre(self, *_: object) -> None:
+        self._start = self._mark() if self.is_open else None
+
+    def _post(self, *_: object) -> None:
+        if self.is_open and self._start is not None:
+            self._spans.append((self._start, self._mark()))
+        self._start = None
+
+    def open(self) -> None:
+        self.is_open = True
+        if self.cuda:
+            self.torch.cuda.set_sync_debug_mode("warn")
+
+    def close(self) -> None:
+        if self.cuda:
+            self.torch.cuda.set_sync_debug_mode(0)
+        self.is_open = False
+
+    def result(self, steps: int) -> dict[str, float | None]:
+        """``host_syncs_per_step`` over ``steps`` measured steps, ``optimizer_step_s`` (mean of the steps timed)."""
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            times = [a.elapsed_time(b) / 1e3 for a, b in self._spans]  # type: ignore[attr-defined]
+        else:
+            times = [float(b) - float(a) for a, b in self._spans]  # type: ignore[arg-type]
+        return {
+            "host_syncs_per_step": self.syncs / steps if self.cuda and steps else None,
+            "optimizer_step_s": sum(times) / len(times) if times else None,
+            "optimizer_steps_timed": len(times),
+        }
+
+
+PROBE: StepProbe  # set by main(), before train.py builds anything
+
+
 def time_clock_window() -> dict[str, float]:
     """Wrap ``Clock.open`` / ``Clock.close`` (the trainer's public clock) so that each open interval adds
     its process CPU time and wall time to the returned dict."""
@@ -32,9 +113,11 @@ def time_clock_window() -> dict[str, float]:
 
     def open_timed(self: Clock) -> None:
         open_(self)
+        PROBE.open()
         started[id(self)] = (time.process_time(), time.perf_counter())
 
     def close_timed(self: Clock) -> None:
+        PROBE.close()
         close_(self)
         mark = started.pop(id(self), None)
         if mark is not None:
@@ -49,14 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     import train
     from common.atomic import atomic_write_json
 
+    global PROBE
+    PROBE = StepProbe()
     window = time_clock_window()
     args = train.parse_args(argv)
     rc = train.main(argv)
     if rc == 0 and int(os.environ.get("RANK", "0")) == 0 and window["wall_s"] > 0:
+        import json
+
         from training.config import load_config
 
         run_dir = Path(load_config(args.config, args.overrides).run.dir)
-        atomic_write_json(run_dir / "bench_cpu.json", window)
+        steps = int(json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))["measured_steps"])
+        atomic_write_json(run_dir / "bench_cpu.json", {**window, **PROBE.result(steps)})
     return rc
 
 

@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # On a GPU machine without internet: install the project from an offline bundle, build small BERT and
 # GPT-NeoX shards from the bundled enwiki sample, run a short one-GPU training, then the GPU test tier
-# (pytest -m cuda).
+# (pytest -m cuda) and, when asked (ROWS), the benchmark rows (benchmarks/bench_train.py --rows: ours beside
+# the Trainer, each side also at its largest micro-batch).
 #   bash scripts/gpu.sh BUNDLE_DIR     (BUNDLE_DIR from scripts/gpu_bundle.sh; see docs/offline-install.md)
+#   TIER=0 SMOKE_STEPS=0 ROWS=bert-large-p1 bash scripts/gpu.sh BUNDLE_DIR     (one row only)
 # Environment: OUT (default runs/gpu): logs, data, runs and pytest results; PYTHON (default python3): the
 # interpreter that already holds the GPU build of torch (on the GPU image, python3 is itself a venv with
 # torch, transformers, accelerate and pytest); everything is installed into it, never into a new venv, which
 # would lose that torch. SMOKE_STEPS (default 20, 0 skips the training run); PYTEST_ARGS: more pytest
 # arguments. The tests build their own shards from WIKIPRETRAIN_SAMPLE_DUMP (the bundle's sample .bz2).
+# TIER (default 1; 0 skips the tier). ROWS: "all" or comma-separated rows of bench_train.py (bert-large-p1,
+# bert-large-p2, neox-1.3b), run after the tier on the bundle's real vocabulary and tokenizer, results in
+# OUT/rows.json and OUT/rows.log; ROW_STEPS/ROW_WARMUP (6/2) measured and warm-up steps per run.
+# WIKIPRETRAIN_DEVICE_MEMORY_GIB: cap the GPU's memory (default 74.5, 80 GB, on a card with more: the
+# figures are an 80 GB H100's).
 set -euo pipefail
 BUNDLE=${1:?usage: bash scripts/gpu.sh BUNDLE_DIR}
 if [ ! -f "$BUNDLE/MANIFEST.json" ]; then
@@ -33,6 +40,11 @@ fi
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "error: $PY: import torch sees no CUDA device (torch missing, a CPU build, or no GPU visible)" >&2
   exit 2
+fi
+
+if [ -z "${WIKIPRETRAIN_DEVICE_MEMORY_GIB:-}" ]; then  # an H200 measured as an 80 GB H100
+  TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
+  [ -n "$TOTAL_MIB" ] && [ "$TOTAL_MIB" -gt 82000 ] && export WIKIPRETRAIN_DEVICE_MEMORY_GIB=74.5
 fi
 
 echo "== 1/5 install from $BUNDLE (pip --no-index)"
@@ -80,12 +92,32 @@ else
   echo "== 4/5 training run skipped (SMOKE_STEPS=0)"
 fi
 
-echo "== 5/5 GPU tier: pytest -m cuda"
-set +e
-# shellcheck disable=SC2086
-"$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml "$OUT/pytest-cuda.xml" ${PYTEST_ARGS:-} 2>&1 \
-  | tee "$OUT/pytest-cuda.log"
-RC=${PIPESTATUS[0]}
-set -e
-echo "pytest -m cuda exit $RC; results in $OUT (pytest-cuda.xml, pytest-cuda.log, smoke/summary.json)"
+RC=0
+if [ "${TIER:-1}" != 0 ]; then
+  echo "== 5/5 GPU tier: pytest -m cuda"
+  set +e
+  # shellcheck disable=SC2086
+  "$PY" -m pytest -m cuda -q -p no:cacheprovider --junitxml "$OUT/pytest-cuda.xml" ${PYTEST_ARGS:-} 2>&1 \
+    | tee "$OUT/pytest-cuda.log"
+  RC=${PIPESTATUS[0]}
+  set -e
+  echo "pytest -m cuda exit $RC; results in $OUT (pytest-cuda.xml, pytest-cuda.log, smoke/summary.json)"
+else
+  echo "== 5/5 GPU tier skipped (TIER=0)"
+fi
+
+if [ -n "${ROWS:-}" ]; then
+  echo "== rows: $ROWS"
+  VOCABS=()
+  SD=$BUNDLE/shared-data
+  [ -f "$SD/bert-base-uncased-vocab.txt" ] && VOCABS+=(--vocab "$SD/bert-base-uncased-vocab.txt")
+  [ -f "$SD/gpt-neox-20b-tokenizer.json" ] && VOCABS+=(--tokenizer "$SD/gpt-neox-20b-tokenizer.json")
+  set +e
+  "$PY" benchmarks/bench_train.py --rows "$ROWS" --largest --steps "${ROW_STEPS:-6}" --warmup "${ROW_WARMUP:-2}" \
+    --threads 4 --work "$OUT/bench" --json "$OUT/rows.json" "${VOCABS[@]}" 2>&1 | tee "$OUT/rows.log"
+  ROWS_RC=${PIPESTATUS[0]}
+  set -e
+  echo "rows exit $ROWS_RC; results in $OUT/rows.json, $OUT/rows.log (runs' logs under $OUT/bench/logs)"
+  [ "$RC" = 0 ] && RC=$ROWS_RC
+fi
 exit "$RC"

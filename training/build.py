@@ -220,7 +220,9 @@ def build_engine(
         log.info(f"built under zero.Init: this rank holds {held:,} of {whole:,} parameters")
     else:
         model = build_model(spec, attention=attention, activation_checkpointing=ckpt, unpad=model_cfg.unpad)
-    if getattr(model, "unpad", False):  # BERT on its real tokens (GPT-NeoX's windows have no padding)
+    from model.bert import BertPretraining
+
+    if isinstance(model, BertPretraining) and model.unpad:  # BERT on its real tokens (NeoX has no padding)
         from model.unpad import default_kernel
 
         if model_cfg.unpad_attention != "auto":
