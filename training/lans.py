@@ -238,6 +238,7 @@ def _cpu_kernels(required: bool = False) -> Any:
     the build fails (with a warning), or UserError when ``required`` (impl="cpu" asked for explicitly)."""
     if not _CPU_EXT:
         import hashlib
+        import os
         import platform
         import sys
         from pathlib import Path
@@ -255,6 +256,14 @@ def _cpu_kernels(required: bool = False) -> Any:
         # would otherwise rebuild one directory in turn (ninja sees another command line each time)
         where = f"{src.resolve()}:{sys.prefix}"
         name = "lans_cpu_" + hashlib.sha256((cpu_id + where).encode()).hexdigest()[:10]
+        # One ninja for every process: the environment's own (pip's ninja, beside this interpreter) ahead of a
+        # system one. Two ninja versions (1.11 and 1.13 write different .ninja_log formats) each discard the
+        # other's log and rebuild: a venv activated by scripts/setup.sh and a test run without it did, 25 s.
+        here = str(Path(sys.executable).parent)
+        path = os.environ.get("PATH", "")
+        pinned = (Path(here) / "ninja").is_file() and path.split(os.pathsep)[0] != here
+        if pinned:
+            os.environ["PATH"] = here + os.pathsep + path
         try:
             ext = cpp_extension.load(
                 name,
@@ -277,6 +286,9 @@ def _cpu_kernels(required: bool = False) -> Any:
                 stacklevel=3,
             )
             ext = None
+        finally:
+            if pinned:
+                os.environ["PATH"] = path
         _CPU_EXT.append(ext)
     if _CPU_EXT[0] is None and required:
         raise UserError("optimizer impl 'cpu': the C++ kernels could not be built (see the warning above)")
