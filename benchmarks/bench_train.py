@@ -1,5 +1,5 @@
-"""Training throughput on CPU: our ``train.py`` (DeepSpeed, BF16, sparse MLM head) beside Hugging Face
-``Trainer``.
+"""Training throughput (CPU; the GPU rows with ``--rows``): our ``train.py`` (DeepSpeed, BF16, sparse MLM
+head) beside Hugging Face ``Trainer``.
 
 Same machine, same run, same HDF5 shards (built from the enwiki sample with our CLIs), same model shapes
 (``model.bert.hf_config`` / ``model.neox.hf_config`` of the registry size), same micro and global batch,
@@ -478,14 +478,38 @@ TINY = {"micro": 2, "global_batch": 4, "steps": 2, "warmup": 1}
 """``--tiny``: the rows at debug sizes on CPU, a smoke test of the whole path (CI), not a measurement."""
 
 
-def versions() -> dict[str, str | None]:
-    """Device, driver, torch, CUDA, DeepSpeed and transformers versions, recorded beside every figure."""
+def on_gpu(args: argparse.Namespace) -> bool:
+    """Whether the rows run on a GPU: ``--rows`` where torch sees one; ``--tiny`` always on CPU."""
+    import torch
+
+    return not args.tiny and torch.cuda.is_available()
+
+
+def gpu_index() -> str:
+    """The one GPU both sides run on: the first of ``CUDA_VISIBLE_DEVICES``, else 0."""
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[0] if visible else "0"
+
+
+def row_env(args: argparse.Namespace, extra_path: str | None = None) -> dict[str, str]:
+    """A run's environment: one GPU for either side (the Trainer would take every visible GPU), none for
+    ``--tiny`` (CPU even on a GPU machine)."""
+    env = subprocess_env(args.threads, extra_path)
+    env["CUDA_VISIBLE_DEVICES"] = gpu_index() if on_gpu(args) else ""
+    return env
+
+
+def versions(args: argparse.Namespace) -> dict[str, str | None]:
+    """Device, driver, torch, CUDA, DeepSpeed and transformers versions, and the memory cap, recorded beside
+    every figure."""
     import torch
 
     from training.devices import device_name
+    from training.engine import MEMORY_CAP_ENV
 
+    gpu = on_gpu(args)
     driver = None
-    if torch.cuda.is_available() and shutil.which("nvidia-smi"):
+    if gpu and shutil.which("nvidia-smi"):
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
         )
@@ -497,11 +521,12 @@ def versions() -> dict[str, str | None]:
         except importlib.metadata.PackageNotFoundError:
             found[package] = None
     return {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else device_name(),
+        "device": torch.cuda.get_device_name(0) if gpu else device_name(),  # 0: the first visible, gpu_index()
         "driver": driver,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         **found,
+        "memory_cap_gib": os.environ.get(MEMORY_CAP_ENV) if gpu else None,
     }
 
 
@@ -515,14 +540,16 @@ def row_data(work: Path, row: Row, args: argparse.Namespace) -> dict[str, Path]:
     return {"data": paths[kind], "vocab": paths["vocab" if kind == "bert" else "tokenizer"], "seq": Path(str(seq))}
 
 
+OOM_SIGNS = ("out of device memory", "OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
+
+
 def _out_of_memory(log_path: Path) -> bool:
     text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
-    return "out of device memory" in text or "OutOfMemoryError" in text
+    return any(sign in text for sign in OOM_SIGNS)
 
 
 def row_ours(row: Row, data: dict[str, Path], args, optimizer: str, micro: int, ports: Ports) -> dict | None:
     """Ours on the row's recipe; None when the micro-batch runs out of device memory."""
-    import torch
 
     work = Path(args.work)
     model = row.tiny_model if args.tiny else row.model
@@ -555,12 +582,13 @@ def row_ours(row: Row, data: dict[str, Path], args, optimizer: str, micro: int, 
     if row.max_pred:
         overrides.append(f"data.max_pred={row.max_pred}")
     port = ports.take()
-    env = subprocess_env(args.threads)
+    env = row_env(args)
     env["MASTER_PORT"] = str(port)
     script = str(REPO / "benchmarks" / "bench_train_ours.py")
-    if torch.cuda.is_available():
-        launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port", str(port)]
-        cmd = [*launcher, script, "--config", row.config, *overrides]
+    if on_gpu(args):  # the launcher ignores CUDA_VISIBLE_DEVICES: name the same GPU as the peer's
+        env.pop("CUDA_VISIBLE_DEVICES")
+        launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--include", f"localhost:{gpu_index()}"]
+        cmd = [*launcher, "--master_port", str(port), script, "--config", row.config, *overrides]
     else:
         cmd = [sys.executable, script, "--config", row.config, *overrides, f"run.threads_per_rank={args.threads}"]
     log_path = work / "logs" / f"{tag}.log"
@@ -594,7 +622,6 @@ def row_ours(row: Row, data: dict[str, Path], args, optimizer: str, micro: int, 
 
 def row_peer(row: Row, data: dict[str, Path], args, micro: int) -> dict | None:
     """The Trainer on the same shards and shapes; None when the micro-batch runs out of device memory."""
-    import torch
 
     work = Path(args.work)
     model = row.tiny_model if args.tiny else row.model
@@ -605,11 +632,12 @@ def row_peer(row: Row, data: dict[str, Path], args, micro: int) -> dict | None:
     cmd = [sys.executable, str(REPO / "benchmarks" / "bench_train_hf.py"), "--model", model]
     cmd += ["--data", str(data["data"]), "--steps", str(args.warmup + args.steps), "--warmup", str(args.warmup)]
     cmd += ["--micro-batch", str(micro), "--global-batch", str(global_batch), "--threads", str(args.threads)]
-    cmd += ["--workers", "2" if torch.cuda.is_available() else "1", "--out", str(out)]
-    cmd += ["--device", "cuda" if torch.cuda.is_available() else "cpu"] + (["--compile"] if args.peer_compile else [])
+    gpu = on_gpu(args)
+    cmd += ["--workers", "2" if gpu else "1", "--out", str(out), "--device", "cuda" if gpu else "cpu"]
+    cmd += ["--compile"] if args.peer_compile else []
     log_path = work / "logs" / f"{tag}.log"
     try:
-        wall = run_logged(cmd, log_path, subprocess_env(args.threads, args.peer_site), f"Trainer ({tag})")
+        wall = run_logged(cmd, log_path, row_env(args, args.peer_site), f"Trainer ({tag})")
     except UserError:
         if _out_of_memory(log_path):
             return None
@@ -630,17 +658,24 @@ def row_peer(row: Row, data: dict[str, Path], args, micro: int) -> dict | None:
     }
 
 
-def largest(run, start: int, cap: int) -> tuple[list[dict], int | None]:
-    """Double the micro-batch from ``start`` while it fits (up to ``cap``): the runs that fitted and the
-    largest micro-batch that did (None if even ``start`` did not)."""
-    runs, fitted, micro = [], None, start
+def largest(run, start: int, cap: int) -> tuple[list[dict], int | None, bool]:
+    """Double the micro-batch from ``start`` while it fits (up to ``cap``): the runs that fitted, the largest
+    micro-batch that did (None if even ``start`` did not) and whether the search stopped at ``cap`` rather
+    than at a run that failed. Any failure ends the search (out of memory by another name, or a kernel's
+    limit at that size): the shared-micro-batch figures already stand; the failure is logged."""
+    runs: list[dict] = []
+    fitted, micro = None, start
     while micro <= cap:
-        rec = run(micro)
+        try:
+            rec = run(micro)
+        except UserError as e:
+            log.warning(f"largest micro-batch search: micro-batch {micro} failed, ending the search ({e})")
+            rec = None
         if rec is None:
-            break
+            return runs, fitted, False
         runs.append(rec)
         fitted, micro = micro, micro * 2
-    return runs, fitted
+    return runs, fitted, True
 
 
 def run_rows(args: argparse.Namespace) -> int:
@@ -653,12 +688,18 @@ def run_rows(args: argparse.Namespace) -> int:
     if args.tiny:
         args.micro_batch, args.global_batch = TINY["micro"], TINY["global_batch"]
         args.steps, args.warmup = TINY["steps"], TINY["warmup"]
+    if args.steps < 1 or args.warmup < 1:
+        raise UserError(f"--steps={args.steps} and --warmup={args.warmup} must be at least 1 in rows mode")
+    for name in names:
+        micro, total = args.micro_batch or ROWS[name].micro, args.global_batch or ROWS[name].global_batch
+        if micro <= 0 or total % micro:
+            raise UserError(f"row {name}: global batch {total} is not a multiple of micro-batch {micro}")
     check_peer_available(args.peer_site)
     work = Path(args.work).resolve()
     args.work = str(work)
     work.mkdir(parents=True, exist_ok=True)
     ports = Ports(args.port)
-    meta = versions()
+    meta = versions(args)
     log.info("versions: " + ", ".join(f"{k} {v}" for k, v in meta.items()))
     results: dict[str, dict] = {}
     for name in names:
@@ -670,21 +711,21 @@ def run_rows(args: argparse.Namespace) -> int:
         runs.append(row_peer(row, data, args, micro))
         if any(r is None for r in runs):
             raise UserError(f"row {name}: micro-batch {micro} does not fit one side; give a smaller --micro-batch")
-        fits: dict[str, int | None] = {"ours": micro, "peer": micro}
+        fits: dict[str, str] = {"ours": "-", "peer": "-"}  # "-": not searched (no --largest)
         if args.largest:
             ours_at = partial(row_ours, row, data, args, row.optimizers[-1], ports=ports)
-            more, fitted = largest(lambda m, run=ours_at: run(micro=m), micro * 2, args.largest_cap)
-            fits["ours"], runs = fitted or micro, runs + more
             peer_at = partial(row_peer, row, data, args)
-            more, fitted = largest(lambda m, run=peer_at: run(micro=m), micro * 2, args.largest_cap)
-            fits["peer"], runs = fitted or micro, runs + more
+            for side, run in (("ours", ours_at), ("peer", peer_at)):
+                more, fitted, capped = largest(lambda m, run=run: run(micro=m), micro * 2, args.largest_cap)
+                runs += more
+                fits[side] = f">= {fitted or micro}" if capped else str(fitted or micro)
         results[name] = {"row": name, "seq": int(str(data["seq"])), "runs": runs, "largest_micro_batch": fits}
         results[name]["wall_s"] = time.perf_counter() - t0
         log.info(f"row {name}: {len(runs)} runs in {results[name]['wall_s']:.0f}s")
-    text = rows_table(results, meta, args)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps({"versions": meta, "args": vars(args), "rows": results}, indent=2) + "\n")
+        if args.json:  # after every row: a later failure keeps what was measured
+            record = {"versions": meta, "args": vars(args), "rows": results}
+            Path(args.json).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    print(rows_table(results, meta, args))
     if args.tiny:
         check_tiny(results)
     return 0
@@ -707,7 +748,7 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
 
 def rows_table(results: dict[str, dict], meta: dict, args: argparse.Namespace) -> str:
     head = ["row", "seq", "side", "optimizer", "micro x accum", "seq/s", "tokens/s", "MFU", "peak GiB"]
-    head += ["host syncs/step", "optimizer step ms", "ckpt stall s (bg / sync)"]
+    head += ["host syncs/step", "optimizer step ms", "ckpt stall s (first bg save / sync)"]
     lines = [
         "Versions: " + ", ".join(f"{k} {v}" for k, v in meta.items()),
         f"{args.steps} measured steps after {args.warmup}; ours: train.py on the row's recipe; peer: Trainer.",

@@ -1,5 +1,5 @@
 """The peer of ``bench_train.py``: Hugging Face ``transformers.Trainer`` on our HDF5 shards, one process,
-CPU, BF16.
+BF16, on the CPU or one GPU (``--device cuda``).
 
 BERT runs as ``BertForPreTraining`` (MLM head over every position, dense ``labels`` with -100 except at the
 masked positions, ``next_sentence_label``); GPT-NeoX as ``GPTNeoXForCausalLM`` with ``labels=input_ids``. The
@@ -212,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     if cuda:
         if not torch.cuda.is_available():
             raise UserError("--device cuda: torch sees no CUDA device")
+        if torch.cuda.device_count() > 1:  # the Trainer would run DataParallel over all of them
+            raise UserError(
+                f"--device cuda: {torch.cuda.device_count()} GPUs visible; give one (CUDA_VISIBLE_DEVICES=N)"
+            )
         from training.engine import cap_device_memory
 
         cap_device_memory()
@@ -263,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.bench_train_ours import StepProbe
 
-    probe = StepProbe()
+    probe = StepProbe(cuda=cuda)
     clock = Clock()
     with tempfile.TemporaryDirectory(prefix="bench_train_hf_") as out_dir:
         targs = TrainingArguments(

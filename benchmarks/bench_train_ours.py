@@ -32,7 +32,7 @@ class StepProbe:
     is no device queue to wait for and the count is None.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cuda: bool) -> None:
         import warnings
 
         import torch
@@ -41,7 +41,7 @@ class StepProbe:
         from common.syncs import SYNC_WARNING
 
         self.torch = torch
-        self.cuda = torch.cuda.is_available()
+        self.cuda = cuda  # the device the run trains on, not merely one torch can see
         self.is_open = False
         self.syncs = 0
         self._start: object | None = None
@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     from common.atomic import atomic_write_json
 
     global PROBE
-    PROBE = StepProbe()
+    import torch
+
+    PROBE = StepProbe(cuda=torch.cuda.is_available())  # train.py's accelerator is CUDA wherever torch sees one
     window = time_clock_window()
     args = train.parse_args(argv)
     rc = train.main(argv)

@@ -23,8 +23,10 @@ With every n_i = S it equals ``B * S * training_flops_per_token``.
 What a run counts (:class:`WorkCounter`, per micro-batch on the host): the positions the model *computes*.
 Unpadded BERT computes its real tokens, so tokens/s counts real tokens and the FLOPs use the real lengths; a
 padded run (``model.unpad=false``) computes every position and counts them all, padding included, at
-``training_flops_per_token``; a packed GPT-NeoX window has no padding. Each counts what its kernels did, so one
-MFU convention serves both paths.
+``training_flops_per_token``; a packed GPT-NeoX window has no padding. Each counts the positions its linears
+and heads compute, so one MFU convention serves both paths. One exception, counted low, never high: the
+unpadded model's ``padded`` attention kernel (its default on accelerators, ``model.unpad``) runs attention
+over ``B * max_seqlen**2`` positions and is credited ``sum(n_i**2)``.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@
 # neox-peer"); DEADLINE (epoch seconds): runs that cannot get RUN_MIN_S before it are skipped, the others are
 # cut at it or after RUN_MAX_S (170); BERT_MICRO/BERT_GLOBAL/BERT_STEPS (128/1024/20), NEOX_MICRO/NEOX_GLOBAL/NEOX_STEPS (8/32/14),
 # WARMUP (3 steps kept out of the timing); BERT_MODEL/NEOX_MODEL, PEER_DEVICE, NUM_GPUS (a CPU dry run:
-# BERT_MODEL=bert-debug NEOX_MODEL=neox-debug PEER_DEVICE=cpu and small batches). WIKIPRETRAIN_DEVICE_MEMORY_GIB defaults to 74.5 (80 GB): figures
-# from an H200 are for what fits an H100.
+# BERT_MODEL=bert-debug NEOX_MODEL=neox-debug PEER_DEVICE=cpu and small batches). WIKIPRETRAIN_DEVICE_MEMORY_GIB:
+# as scripts/gpu.sh (79 on a card bigger than an H100; the 2026-11-26 figures ran at 74.5, 80e9 bytes).
 set -uo pipefail
 BUNDLE=${1:?usage: bash scripts/gpu_runs.sh BUNDLE_DIR}
 BUNDLE=$(cd "$BUNDLE" && pwd)
@@ -31,7 +31,10 @@ BERT_MICRO=${BERT_MICRO:-128} BERT_GLOBAL=${BERT_GLOBAL:-1024} BERT_STEPS=${BERT
 NEOX_MICRO=${NEOX_MICRO:-8} NEOX_GLOBAL=${NEOX_GLOBAL:-32} NEOX_STEPS=${NEOX_STEPS:-14}
 BERT_MODEL=${BERT_MODEL:-bert-large} NEOX_MODEL=${NEOX_MODEL:-neox-1.3b} PEER_DEVICE=${PEER_DEVICE:-cuda}
 NUM_GPUS=${NUM_GPUS:-1}
-export WIKIPRETRAIN_DEVICE_MEMORY_GIB=${WIKIPRETRAIN_DEVICE_MEMORY_GIB:-74.5}
+if [ -z "${WIKIPRETRAIN_DEVICE_MEMORY_GIB:-}" ]; then  # an H200 measured as an H100 80GB
+  TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
+  [ -n "$TOTAL_MIB" ] && [ "$TOTAL_MIB" -gt 82000 ] && export WIKIPRETRAIN_DEVICE_MEMORY_GIB=79
+fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false
 D=$OUT/data
 

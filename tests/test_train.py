@@ -246,21 +246,26 @@ def test_resume_is_exact(bert_data, straight_run, tmp_path):
     assert (run_dir / "summary.json").read_bytes() == before
 
 
-@pytest.mark.cuda  # on the GPU tier too, where the padded-attention kernel is the default
+@pytest.mark.cuda  # on the GPU tier too: the padded-attention kernel there, the per-sequence one here
 def test_unpadded_and_padded_runs_train_the_same_model(bert_data, tmp_path):
     """Two ranks, ZeRO-2, activation checkpointing, FP32, no dropout: BERT unpadded (``model.unpad``, the
-    default, with accelerators' attention kernel, ``model.unpad_attention=padded``) and padded see the same
-    samples and must give the same loss at every step (FP32 rounding apart: the in-process tests hold every
-    kernel to a float64 run). Each counts what it computed: the padded run every position, the unpadded one the
-    real tokens, of the same data (one padding fraction)."""
+    default, with the device's attention kernel) and padded see the same samples and must give the same loss at
+    every step (FP32 rounding apart: the in-process tests hold every kernel to a float64 run). Each counts what
+    it computed: the padded run every position, the unpadded one the real tokens, of the same data (one padding
+    fraction)."""
+    import torch
+
+    from model.unpad import default_kernel
+
     same = ("deepspeed.precision=fp32", "model.dropout=0", "model.activation_checkpointing=true")
     same += ("train.steps=6", "train.eval_every=0", "checkpoint.every=0", "logging.every=1")
     runs = {}
     for unpad in ("true", "false"):
         run_dir = tmp_path / unpad
-        res = deepspeed(common(bert_data, run_dir, *same, f"model.unpad={unpad}", "model.unpad_attention=padded"))
+        res = deepspeed(common(bert_data, run_dir, *same, f"model.unpad={unpad}"))
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        on = "model.unpad: BERT computes its real tokens only, padded attention kernel"
+        kernel = default_kernel("cuda" if torch.cuda.is_available() else "cpu")
+        on = f"model.unpad: BERT computes its real tokens only, {kernel} attention kernel"
         assert (on in res.stdout + res.stderr) == (unpad == "true")
         runs[unpad] = run_dir
     unpadded, padded = (losses(runs[k]) for k in ("true", "false"))
@@ -715,8 +720,19 @@ def test_sigterm_saves_and_exits_with_distinct_code(bert_data, long_run, tmp_pat
 def test_wandb_offline(bert_data, tmp_path):
     run_dir = tmp_path / "run"
     env = {**run_env(), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
-    res = deepspeed(common(bert_data, run_dir, "train.steps=3", "logging.wandb.project=wikipretrain-test"), env=env)
+    # also the accelerators' unpadded attention kernel, asked for by name on the CPU
+    res = deepspeed(
+        common(
+            bert_data,
+            run_dir,
+            "train.steps=3",
+            "logging.wandb.project=wikipretrain-test",
+            "model.unpad_attention=padded",
+        ),
+        env=env,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
+    assert "model.unpad: BERT computes its real tokens only, padded attention kernel" in res.stdout + res.stderr
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
 

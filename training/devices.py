@@ -320,6 +320,8 @@ def out_of_memory(micro_batch: int) -> RankError:
 
     acc, gib = get_accelerator(), 1 << 30
     peak, total = acc.max_memory_allocated() / gib, acc.total_memory() / gib
+    cap = os.environ.get("WIKIPRETRAIN_DEVICE_MEMORY_GIB")  # the cap, checked by training.engine at bind time
+    total = min(total, float(cap)) if cap else total
     rank = os.environ.get("RANK", "0")
     return RankError(
         f"train.micro_batch={micro_batch} runs out of device memory on rank {rank} ({device_name()}): peak "
