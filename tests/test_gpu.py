@@ -326,3 +326,31 @@ def test_lans_flat_partition_path_has_no_host_sync_on_the_gpu():
     assert syncs.total == 0, syncs
     assert taken == 4
     torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_unpadded_bert_step_has_no_host_sync_on_the_gpu(bert_data):  # noqa: F811
+    """BERT on its real tokens with the accelerators' attention kernel (``padded``), forward and backward in
+    BF16 autocast, fed the loader's unpadding keys (their host copies: exact kernel sizes): no host sync in a
+    step (CUDA's sync-debug warnings counted by common.syncs)."""
+    from common.syncs import count_host_syncs
+    from data.loader import PretrainingLoader
+    from model.build import build_model
+    from model.registry import get_spec
+    from training.devices import to_device
+
+    loader = PretrainingLoader(
+        bert_data["train"], "bert", micro_batch=8, grad_accum=1, dp_rank=0, dp_world=1, unpad=True, pin_memory=True
+    )
+    it = iter(loader)
+    batches = [to_device(next(it), torch.device("cuda")) for _ in range(4)]  # moved before the counting
+    model = build_model(get_spec("bert-debug", vocab_size=8000), unpad=True).cuda().train()
+    model.attention_kernel = "padded"  # what model.unpad_attention=auto takes on CUDA
+    feed = iter(batches)
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(**next(feed))["loss"]
+        loss.backward()
+
+    syncs = count_host_syncs(step, steps=3, warmup=1)
+    assert syncs.total == 0, syncs
