@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from common.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, RankError, UserError
+from common.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, SUPERVISED_ENV, USER_ERROR_WAIT_S, RankError, UserError
 from common.log import get_logger
 from training.config import Config, gradient_accumulation, load_config
 
@@ -286,6 +286,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from training import events
 
             events.record(Path(cfg.run.dir), "user_error", rank=own, message=str(e))
+        if cfg is not None and under_agent and os.environ.get(SUPERVISED_ENV):
+            import time
+
+            time.sleep(USER_ERROR_WAIT_S)  # launch elastic ends this process meanwhile (see SUPERVISED_ENV)
         return EXIT_USER_ERROR
     except RuntimeError as e:  # torch.distributed's DistBackendError included
         from training.collectives import peer_lost

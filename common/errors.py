@@ -9,6 +9,11 @@ EXIT_USER_ERROR = 2
 # A rank is hung or gone (a collective timed out or lost its peer, or its data loader stalled): the job
 # ends and resumes from its last checkpoint. Not a preemption (3).
 EXIT_PEER_LOST = 4
+SUPERVISED_ENV = "WIKIPRETRAIN_ELASTIC_SUPERVISED"
+"""Set by ``launch elastic`` for its agent and ranks: a rank that ends on bad input waits (``USER_ERROR_WAIT_S``
+at most) for the supervisor, which reads its ``user_error`` event and ends the agent, so the agent never
+reports the rank's exit as a failure of its own (one line, not two)."""
+USER_ERROR_WAIT_S = 10.0
 
 
 class UserError(Exception):

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import psutil
 
-from common.errors import EXIT_USER_ERROR, UserError
+from common.errors import EXIT_USER_ERROR, SUPERVISED_ENV, UserError
 from training import events
 from training.config import Config, gradient_accumulation, load_config
 
@@ -299,7 +299,7 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, g
     # A node that joins a later rendezvous round (one coming back) waits forever for the workers' store
     # address if the agents share their rendezvous store with the workers: the others built it in their first
     # round and never publish it again (torch 2.13, dynamic_rendezvous.next_rendezvous). Opt out of sharing.
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", SUPERVISED_ENV: "1"}
     agent = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)  # signals come through us, once
     seen: dict[int, psutil.Process] = {}
 
