@@ -553,7 +553,8 @@ def row_ours(row: Row, data: dict[str, Path], args, optimizer: str, micro: int, 
 
     work = Path(args.work)
     model = row.tiny_model if args.tiny else row.model
-    global_batch = max(args.global_batch or row.global_batch, micro)
+    total = args.global_batch or row.global_batch
+    global_batch = -(-total // micro) * micro  # a whole number of micro-batches (the largest-micro search)
     tag = f"{model}-seq{data['seq']}-{optimizer}-m{micro}"
     run_dir = work / "runs" / tag
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -585,7 +586,7 @@ def row_ours(row: Row, data: dict[str, Path], args, optimizer: str, micro: int, 
     env = row_env(args)
     env["MASTER_PORT"] = str(port)
     script = str(REPO / "benchmarks" / "bench_train_ours.py")
-    if on_gpu(args):  # the launcher ignores CUDA_VISIBLE_DEVICES: name the same GPU as the peer's
+    if on_gpu(args):  # name the peer's GPU to the launcher (it sets the rank's CUDA_VISIBLE_DEVICES itself)
         env.pop("CUDA_VISIBLE_DEVICES")
         launcher = [sys.executable, "-m", "deepspeed.launcher.runner", "--include", f"localhost:{gpu_index()}"]
         cmd = [*launcher, "--master_port", str(port), script, "--config", row.config, *overrides]
@@ -625,7 +626,8 @@ def row_peer(row: Row, data: dict[str, Path], args, micro: int) -> dict | None:
 
     work = Path(args.work)
     model = row.tiny_model if args.tiny else row.model
-    global_batch = max(args.global_batch or row.global_batch, micro)
+    total = args.global_batch or row.global_batch
+    global_batch = -(-total // micro) * micro  # a whole number of micro-batches (the largest-micro search)
     tag = f"{model}-seq{data['seq']}-peer-m{micro}"
     out = work / "runs" / f"{tag}.json"
     out.unlink(missing_ok=True)
@@ -723,8 +725,9 @@ def run_rows(args: argparse.Namespace) -> int:
         results[name]["wall_s"] = time.perf_counter() - t0
         log.info(f"row {name}: {len(runs)} runs in {results[name]['wall_s']:.0f}s")
         if args.json:  # after every row: a later failure keeps what was measured
-            record = {"versions": meta, "args": vars(args), "rows": results}
-            Path(args.json).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+            from common.atomic import atomic_write_json
+
+            atomic_write_json(Path(args.json), {"versions": meta, "args": vars(args), "rows": results})
     print(rows_table(results, meta, args))
     if args.tiny:
         check_tiny(results)

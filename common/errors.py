@@ -12,7 +12,9 @@ EXIT_PEER_LOST = 4
 SUPERVISED_ENV = "WIKIPRETRAIN_ELASTIC_SUPERVISED"
 """Set by ``launch elastic`` for its agent and ranks: a rank that ends on bad input waits (``USER_ERROR_WAIT_S``
 at most) for the supervisor, which reads its ``user_error`` event and ends the agent, so the agent never
-reports the rank's exit as a failure of its own (one line, not two)."""
+reports the rank's exit as a failure of its own (one line, not two). Where no ``user_error`` event is read (a
+rank-local error on a rank other than 0 that is not a ``RankError``, a supervisor gone) the rank ends after the
+wait and the agent goes on as before: 10 s more per such attempt, never a hang."""
 USER_ERROR_WAIT_S = 10.0
 
 

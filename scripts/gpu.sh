@@ -13,8 +13,8 @@
 # TIER (default 1; 0 skips the tier). ROWS: "all" or comma-separated rows of bench_train.py (bert-large-p1,
 # bert-large-p2, neox-1.3b), run after the tier on the bundle's real vocabulary and tokenizer, results in
 # OUT/rows.json and OUT/rows.log; ROW_STEPS/ROW_WARMUP (6/2) measured and warm-up steps per run.
-# WIKIPRETRAIN_DEVICE_MEMORY_GIB: cap the GPU's memory (default 79 GiB on a card with more than an H100's
-# 81,559 MiB: its memory less the CUDA context, so the figures are an 80 GB H100's).
+# WIKIPRETRAIN_DEVICE_MEMORY_GIB: cap the GPU's memory (default 78 GiB on a card with more than an H100's
+# 81,559 MiB: what an H100 80GB leaves its allocator after the CUDA context and library buffers).
 set -euo pipefail
 BUNDLE=${1:?usage: bash scripts/gpu.sh BUNDLE_DIR}
 if [ ! -f "$BUNDLE/MANIFEST.json" ]; then
@@ -44,7 +44,7 @@ fi
 
 if [ -z "${WIKIPRETRAIN_DEVICE_MEMORY_GIB:-}" ]; then  # an H200 measured as an H100 80GB
   TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
-  [ -n "$TOTAL_MIB" ] && [ "$TOTAL_MIB" -gt 82000 ] && export WIKIPRETRAIN_DEVICE_MEMORY_GIB=79
+  [ -n "$TOTAL_MIB" ] && [ "$TOTAL_MIB" -gt 82000 ] && export WIKIPRETRAIN_DEVICE_MEMORY_GIB=78
 fi
 
 echo "== 1/5 install from $BUNDLE (pip --no-index)"

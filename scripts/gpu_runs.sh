@@ -13,7 +13,7 @@
 # cut at it or after RUN_MAX_S (170); BERT_MICRO/BERT_GLOBAL/BERT_STEPS (128/1024/20), NEOX_MICRO/NEOX_GLOBAL/NEOX_STEPS (8/32/14),
 # WARMUP (3 steps kept out of the timing); BERT_MODEL/NEOX_MODEL, PEER_DEVICE, NUM_GPUS (a CPU dry run:
 # BERT_MODEL=bert-debug NEOX_MODEL=neox-debug PEER_DEVICE=cpu and small batches). WIKIPRETRAIN_DEVICE_MEMORY_GIB:
-# as scripts/gpu.sh (79 on a card bigger than an H100; the 2026-11-26 figures ran at 74.5, 80e9 bytes).
+# as scripts/gpu.sh (78 on a card bigger than an H100; the 2026-11-26 figures ran at 74.5, 80e9 bytes).
 set -uo pipefail
 BUNDLE=${1:?usage: bash scripts/gpu_runs.sh BUNDLE_DIR}
 BUNDLE=$(cd "$BUNDLE" && pwd)
@@ -33,7 +33,7 @@ BERT_MODEL=${BERT_MODEL:-bert-large} NEOX_MODEL=${NEOX_MODEL:-neox-1.3b} PEER_DE
 NUM_GPUS=${NUM_GPUS:-1}
 if [ -z "${WIKIPRETRAIN_DEVICE_MEMORY_GIB:-}" ]; then  # an H200 measured as an H100 80GB
   TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
-  [ -n "$TOTAL_MIB" ] && [ "$TOTAL_MIB" -gt 82000 ] && export WIKIPRETRAIN_DEVICE_MEMORY_GIB=79
+  [ -n "$TOTAL_MIB" ] && [ "$TOTAL_MIB" -gt 82000 ] && export WIKIPRETRAIN_DEVICE_MEMORY_GIB=78
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false
 D=$OUT/data
@@ -78,7 +78,7 @@ peer() {  # NAME MODEL DATA STEPS MICRO GLOBAL
   local t
   t=$(budget) || { echo "== $1 skipped: under ${RUN_MIN_S}s before DEADLINE"; return; }
   echo "== $1: Trainer, $2 (limit ${t}s)"
-  timeout -k 10 "$t" "$PY" benchmarks/bench_train_hf.py --device "$PEER_DEVICE" --model "$2" --data "$3" --steps "$4" \
+  CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} timeout -k 10 "$t" "$PY" benchmarks/bench_train_hf.py --device "$PEER_DEVICE" --model "$2" --data "$3" --steps "$4" \
     --warmup "$WARMUP" --micro-batch "$5" --global-batch "$6" --workers 4 --threads 4 --out "$OUT/$1.json" \
     > "$OUT/$1.log" 2>&1
   echo "$1 exit $?"
