@@ -64,7 +64,6 @@ extras install it): ``pip install accelerate``, or ``pip install --no-deps --tar
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -76,6 +75,7 @@ import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -504,8 +504,8 @@ def versions(args: argparse.Namespace) -> dict[str, str | None]:
     every figure."""
     import torch
 
-    from training.devices import device_name
-    from training.engine import MEMORY_CAP_ENV
+    from benchmarks.bench_train_ours import package_version
+    from training.devices import MEMORY_CAP_ENV, device_name
 
     gpu = on_gpu(args)
     driver = None
@@ -514,47 +514,51 @@ def versions(args: argparse.Namespace) -> dict[str, str | None]:
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
         )
         driver = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
-    found: dict[str, str | None] = {}
-    for package in ("deepspeed", "transformers"):
-        try:
-            found[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            found[package] = None
     return {
         "device": torch.cuda.get_device_name(0) if gpu else device_name(),  # 0: the first visible, gpu_index()
         "driver": driver,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        **found,
+        **{package: package_version(package) for package in ("deepspeed", "transformers")},
         "memory_cap_gib": os.environ.get(MEMORY_CAP_ENV) if gpu else None,
     }
 
 
-def row_data(work: Path, row: Row, args: argparse.Namespace) -> dict[str, Path]:
+def row_data(work: Path, row: Row, args: argparse.Namespace) -> dict[str, Any]:
     """Shards at the row's sequence length (the enwiki sample; ``--vocab``/``--tokenizer`` when given, else
     built from the sample), reused across runs."""
     seq = row.tiny_seq if args.tiny else row.seq
     data_args = argparse.Namespace(bert_seq=seq, max_pred=row.max_pred or 20, gpt_seq=seq, rebuild=args.rebuild)
     kind = "gpt" if row.max_pred == 0 else "bert"
     paths = build_data(work, data_args, (kind,), vocab=args.vocab, tokenizer=args.tokenizer)
-    return {"data": paths[kind], "vocab": paths["vocab" if kind == "bert" else "tokenizer"], "seq": Path(str(seq))}
+    return {"data": paths[kind], "vocab": paths["vocab" if kind == "bert" else "tokenizer"], "seq": seq}
 
 
 OOM_SIGNS = ("out of device memory", "OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
-def _out_of_memory(log_path: Path) -> bool:
-    text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
-    return any(sign in text for sign in OOM_SIGNS)
+def _run_unless_out_of_memory(cmd: list[str], log_path: Path, env: dict[str, str], what: str) -> float | None:
+    """``run_logged``, or None when the run failed by running out of device memory (its log says so)."""
+    try:
+        return run_logged(cmd, log_path, env, what)
+    except UserError:
+        text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
+        if any(sign in text for sign in OOM_SIGNS):
+            return None
+        raise
 
 
-def row_ours(row: Row, data: dict[str, Path], args, optimizer: str, micro: int, ports: Ports) -> dict | None:
-    """Ours on the row's recipe; None when the micro-batch runs out of device memory."""
-
-    work = Path(args.work)
-    model = row.tiny_model if args.tiny else row.model
+def row_shape(row: Row, args: argparse.Namespace, micro: int) -> tuple[str, int]:
+    """The row's model at this size (``--tiny``: debug) and its global batch at ``micro``: a whole number of
+    micro-batches (the largest-micro search doubles ``micro``)."""
     total = args.global_batch or row.global_batch
-    global_batch = -(-total // micro) * micro  # a whole number of micro-batches (the largest-micro search)
+    return (row.tiny_model if args.tiny else row.model), -(-total // micro) * micro
+
+
+def row_ours(row: Row, data: dict[str, Any], args, optimizer: str, micro: int, ports: Ports) -> dict | None:
+    """Ours on the row's recipe; None when the micro-batch runs out of device memory."""
+    work = Path(args.work)
+    model, global_batch = row_shape(row, args, micro)
     tag = f"{model}-seq{data['seq']}-{optimizer}-m{micro}"
     run_dir = work / "runs" / tag
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -592,13 +596,9 @@ def row_ours(row: Row, data: dict[str, Path], args, optimizer: str, micro: int, 
         cmd = [*launcher, "--master_port", str(port), script, "--config", row.config, *overrides]
     else:
         cmd = [sys.executable, script, "--config", row.config, *overrides, f"run.threads_per_rank={args.threads}"]
-    log_path = work / "logs" / f"{tag}.log"
-    try:
-        wall = run_logged(cmd, log_path, env, f"train.py ({tag})")
-    except UserError:
-        if _out_of_memory(log_path):
-            return None
-        raise
+    wall = _run_unless_out_of_memory(cmd, work / "logs" / f"{tag}.log", env, f"train.py ({tag})")
+    if wall is None:
+        return None
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     probe = json.loads((run_dir / "bench_cpu.json").read_text(encoding="utf-8"))
     from training import events
@@ -621,13 +621,10 @@ def row_ours(row: Row, data: dict[str, Path], args, optimizer: str, micro: int, 
     }
 
 
-def row_peer(row: Row, data: dict[str, Path], args, micro: int) -> dict | None:
+def row_peer(row: Row, data: dict[str, Any], args, micro: int) -> dict | None:
     """The Trainer on the same shards and shapes; None when the micro-batch runs out of device memory."""
-
     work = Path(args.work)
-    model = row.tiny_model if args.tiny else row.model
-    total = args.global_batch or row.global_batch
-    global_batch = -(-total // micro) * micro  # a whole number of micro-batches (the largest-micro search)
+    model, global_batch = row_shape(row, args, micro)
     tag = f"{model}-seq{data['seq']}-peer-m{micro}"
     out = work / "runs" / f"{tag}.json"
     out.unlink(missing_ok=True)
@@ -637,13 +634,11 @@ def row_peer(row: Row, data: dict[str, Path], args, micro: int) -> dict | None:
     gpu = on_gpu(args)
     cmd += ["--workers", "2" if gpu else "1", "--out", str(out), "--device", "cuda" if gpu else "cpu"]
     cmd += ["--compile"] if args.peer_compile else []
-    log_path = work / "logs" / f"{tag}.log"
-    try:
-        wall = run_logged(cmd, log_path, row_env(args, args.peer_site), f"Trainer ({tag})")
-    except UserError:
-        if _out_of_memory(log_path):
-            return None
-        raise
+    wall = _run_unless_out_of_memory(
+        cmd, work / "logs" / f"{tag}.log", row_env(args, args.peer_site), f"Trainer ({tag})"
+    )
+    if wall is None:
+        return None
     rec = json.loads(out.read_text(encoding="utf-8"))
     keep = ("sequences_per_sec", "tokens_per_sec", "mfu", "peak_memory_bytes", "host_syncs_per_step")
     return {
@@ -721,7 +716,7 @@ def run_rows(args: argparse.Namespace) -> int:
                 more, fitted, capped = largest(lambda m, run=run: run(micro=m), micro * 2, args.largest_cap)
                 runs += more
                 fits[side] = f">= {fitted or micro}" if capped else str(fitted or micro)
-        results[name] = {"row": name, "seq": int(str(data["seq"])), "runs": runs, "largest_micro_batch": fits}
+        results[name] = {"row": name, "seq": data["seq"], "runs": runs, "largest_micro_batch": fits}
         results[name]["wall_s"] = time.perf_counter() - t0
         log.info(f"row {name}: {len(runs)} runs in {results[name]['wall_s']:.0f}s")
         if args.json:  # after every row: a later failure keeps what was measured

@@ -167,15 +167,6 @@ def _peak_rss() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="registry name (bert-debug, bert-10m, neox-debug, ...)")
@@ -265,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
                 probe.close()
                 self.t1, self.cpu1 = time.perf_counter(), time.process_time()
 
-    from benchmarks.bench_train_ours import StepProbe
+    from benchmarks.bench_train_ours import StepProbe, package_version
 
     probe = StepProbe(cuda=cuda)
     clock = Clock()
@@ -336,7 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         "final_loss": float(result.training_loss),
         "same_task_rel_diff": same_task_rel_diff,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": _version("transformers")},
+        "versions": {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "transformers": package_version("transformers"),
+        },
     }
     Path(args.out).write_text(json.dumps(record) + "\n", encoding="utf-8")
     print(json.dumps(record))

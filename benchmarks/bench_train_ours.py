@@ -38,7 +38,7 @@ class StepProbe:
         import torch
         from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-        from common.syncs import SYNC_WARNING
+        from common.syncs import SYNC_WARNING, is_sync_warning
 
         self.torch = torch
         self.cuda = cuda  # the device the run trains on, not merely one torch can see
@@ -52,7 +52,7 @@ class StepProbe:
             shown = warnings.showwarning
 
             def show(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
-                if str(message).startswith(SYNC_WARNING):
+                if is_sync_warning(message):
                     self.syncs += self.is_open
                     return
                 shown(message, category, filename, lineno, file, line)
@@ -99,12 +99,19 @@ class StepProbe:
         }
 
 
-PROBE: StepProbe  # set by main(), before train.py builds anything
+def package_version(package: str) -> str | None:
+    """An installed distribution's version, None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
-def time_clock_window() -> dict[str, float]:
+def time_clock_window(probe: StepProbe) -> dict[str, float]:
     """Wrap ``Clock.open`` / ``Clock.close`` (the trainer's public clock) so that each open interval adds
-    its process CPU time and wall time to the returned dict."""
+    its process CPU time and wall time to the returned dict, with ``probe`` open over the same intervals."""
     from training.trainer import Clock
 
     window = {"cpu_s": 0.0, "wall_s": 0.0}
@@ -113,11 +120,11 @@ def time_clock_window() -> dict[str, float]:
 
     def open_timed(self: Clock) -> None:
         open_(self)
-        PROBE.open()
+        probe.open()
         started[id(self)] = (time.process_time(), time.perf_counter())
 
     def close_timed(self: Clock) -> None:
-        PROBE.close()
+        probe.close()
         close_(self)
         mark = started.pop(id(self), None)
         if mark is not None:
@@ -129,14 +136,13 @@ def time_clock_window() -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import torch
+
     import train
     from common.atomic import atomic_write_json
 
-    global PROBE
-    import torch
-
-    PROBE = StepProbe(cuda=torch.cuda.is_available())  # train.py's accelerator is CUDA wherever torch sees one
-    window = time_clock_window()
+    probe = StepProbe(cuda=torch.cuda.is_available())  # train.py's accelerator is CUDA wherever torch sees one
+    window = time_clock_window(probe)
     args = train.parse_args(argv)
     rc = train.main(argv)
     if rc == 0 and int(os.environ.get("RANK", "0")) == 0 and window["wall_s"] > 0:
@@ -146,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run_dir = Path(load_config(args.config, args.overrides).run.dir)
         steps = int(json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))["measured_steps"])
-        atomic_write_json(run_dir / "bench_cpu.json", {**window, **PROBE.result(steps)})
+        atomic_write_json(run_dir / "bench_cpu.json", {**window, **probe.result(steps)})
     return rc
 
 

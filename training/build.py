@@ -222,14 +222,15 @@ def build_engine(
         model = build_model(spec, attention=attention, activation_checkpointing=ckpt, unpad=model_cfg.unpad)
     from model.bert import BertPretraining
 
+    device = collectives.accelerator().device_name()
     if isinstance(model, BertPretraining) and model.unpad:  # BERT on its real tokens (NeoX has no padding)
         from model.unpad import default_kernel
 
         if model_cfg.unpad_attention != "auto":
             model.attention_kernel = model_cfg.unpad_attention
-        kernel = model.attention_kernel or default_kernel(collectives.accelerator().device_name())
+        kernel = model.attention_kernel or default_kernel(device)
         log.info(f"model.unpad: BERT computes its real tokens only, {kernel} attention kernel")
-    if compile_wanted(model_cfg.compile, collectives.accelerator().device_name()):
+    if compile_wanted(model_cfg.compile, device):
         log.info(f"model.compile: compiling {compile_blocks(model)} transformer-block modules (dynamic shapes)")
     seed_everything(train.seed + 1000 * rank)  # rank-specific dropout streams
     optimizer = build_optimizer(

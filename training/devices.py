@@ -313,6 +313,11 @@ def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str,
     return {k: v if k in HOST_KEYS else v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+MEMORY_CAP_ENV = "WIKIPRETRAIN_DEVICE_MEMORY_GIB"
+"""GiB of device memory a process may use (``training.engine.cap_device_memory``): a bigger card measured as a
+smaller one."""
+
+
 def out_of_memory(micro_batch: int) -> RankError:
     """The one line of a micro-batch that ran out of device memory: this rank's peak, of how much, and half the
     micro-batch to try (``train.global_batch`` stays: the accumulation steps follow)."""
@@ -320,7 +325,7 @@ def out_of_memory(micro_batch: int) -> RankError:
 
     acc, gib = get_accelerator(), 1 << 30
     peak, total = acc.max_memory_allocated() / gib, acc.total_memory() / gib
-    cap = os.environ.get("WIKIPRETRAIN_DEVICE_MEMORY_GIB")  # the cap, checked by training.engine at bind time
+    cap = os.environ.get(MEMORY_CAP_ENV)  # checked by training.engine.cap_device_memory at bind time
     total = min(total, float(cap)) if cap else total
     rank = os.environ.get("RANK", "0")
     return RankError(

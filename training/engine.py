@@ -167,14 +167,13 @@ def bind_device() -> None:
     cap_device_memory()
 
 
-MEMORY_CAP_ENV = "WIKIPRETRAIN_DEVICE_MEMORY_GIB"
-
-
 def cap_device_memory() -> float | None:
     """Cap this process's CUDA caching allocator at ``$WIKIPRETRAIN_DEVICE_MEMORY_GIB`` GiB of its current
     device (``torch.cuda.set_per_process_memory_fraction``), so that a run on a bigger card measures what fits
     a smaller one (an H200 capped at 80 GB stands in for an H100); returns the fraction, None when unset or not
     on CUDA. Past the cap an allocation raises ``torch.OutOfMemoryError`` as on the smaller card."""
+    from training.devices import MEMORY_CAP_ENV
+
     raw = os.environ.get(MEMORY_CAP_ENV)
     if not raw or not torch.cuda.is_available():
         return None
@@ -182,9 +181,9 @@ def cap_device_memory() -> float | None:
         gib = float(raw)
     except ValueError:
         raise UserError(f"{MEMORY_CAP_ENV}={raw!r} is not a number of GiB") from None
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     if gib <= 0:
         raise UserError(f"{MEMORY_CAP_ENV}={raw!r} must be positive")
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     fraction = min(1.0, gib * (1 << 30) / total)
     torch.cuda.set_per_process_memory_fraction(fraction)
     return fraction
