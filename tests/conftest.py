@@ -3,11 +3,17 @@ it."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -43,14 +49,191 @@ def launcher(ranks: int, port: int | None = None) -> list[str]:
     ]
 
 
+class _Popened:
+    """A rank started as a fresh interpreter; its output read as it comes (a rank's DataLoader workers hold
+    its pipes until they notice it is gone)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", *argv], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.out = ("", "")
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        self.out = self.proc.communicate()
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def output(self) -> tuple[str, str]:
+        self.reader.join(timeout=60)
+        return self.out
+
+
+class _Forked:
+    """A rank forked by the ``tests.prefork`` server; its output in files, read once it has ended."""
+
+    def __init__(self, server: _PreforkServer, argv: list[str], env: dict[str, str], files: Path) -> None:
+        self.server, self.files = server, (files.with_suffix(".stdout"), files.with_suffix(".stderr"))
+        self.pid = server.spawn(argv, env, *self.files)
+
+    def poll(self) -> int | None:
+        return self.server.exits.get(self.pid)
+
+    def signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def output(self) -> tuple[str, str]:
+        deadline = time.monotonic() + 60
+        while self.poll() is None and time.monotonic() < deadline:  # its exit, as the server reaped it
+            time.sleep(0.05)
+        out, err = (f.read_text(errors="replace") if f.exists() else "" for f in self.files)
+        return out, err
+
+
+class _PreforkServer:
+    """The ``tests.prefork`` server of this session: started on first use with ``run_env()``, ended with the
+    session."""
+
+    def __init__(self) -> None:
+        self.env = run_env()
+        self.log = Path(tempfile.mkdtemp(prefix="prefork-")) / "server.log"
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.prefork"],
+                cwd=REPO,
+                env=self.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+            )
+        self.exits: dict[int, int] = {}
+        self.pids: dict[int, int] = {}
+        self.lock, self.changed, self.next_id = threading.Lock(), threading.Condition(), 0
+        assert self.proc.stdout is not None
+        first = self.proc.stdout.readline()
+        if json.loads(first or "{}").get("ready") is not True:
+            raise RuntimeError(f"tests.prefork did not start:\n{self.log.read_text()[-3000:]}")
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self.changed:
+                if "id" in msg:
+                    self.pids[msg["id"]] = msg["pid"]
+                else:
+                    self.exits[msg["pid"]] = msg["returncode"]
+                self.changed.notify_all()
+
+    def takes(self, env: dict[str, str]) -> bool:
+        """Whether a rank with this environment may be forked here: it differs from the server's only in
+        keys that nothing preloaded reads at import."""
+        from tests.prefork import FORKABLE_ENV, FORKABLE_PREFIXES
+
+        differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
+        unsafe = sorted(k for k in differ if not (k in FORKABLE_ENV or k.startswith(FORKABLE_PREFIXES)))
+        if unsafe:  # correct but slow: shown in pytest's warnings summary
+            warnings.warn(
+                f"prefork: a rank starts as a fresh interpreter; its environment differs in {unsafe}", stacklevel=3
+            )
+        return not unsafe
+
+    def spawn(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> int:
+        """Fork a rank running ``argv`` with ``env``, its output into the two files; its pid."""
+        assert self.proc.stdin is not None and self.proc.poll() is None, self.log.read_text()[-3000:]
+        with self.lock:
+            self.next_id += 1
+            ident = self.next_id
+            req = {"id": ident, "argv": argv, "env": env, "cwd": str(REPO), "stdout": str(stdout)}
+            self.proc.stdin.write((json.dumps({**req, "stderr": str(stderr)}) + "\n").encode())
+            self.proc.stdin.flush()
+        with self.changed:
+            if not self.changed.wait_for(lambda: ident in self.pids, timeout=60):
+                raise RuntimeError(f"tests.prefork did not fork:\n{self.log.read_text()[-3000:]}")
+            return self.pids.pop(ident)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+
+_server: _PreforkServer | None = None
+
+
+def _prefork() -> _PreforkServer | None:
+    """This session's prefork server, or None where ranks must start fresh: a GPU machine (no fork after CUDA
+    is initialised), or ``WIKIPRETRAIN_TEST_PREFORK=0``."""
+    global _server
+    if os.environ.get("WIKIPRETRAIN_TEST_PREFORK", "1") == "0":
+        return None
+    if _server is None:
+        import torch
+
+        if torch.cuda.is_available():
+            return None
+        _server = _PreforkServer()
+    return _server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _close_prefork():
+    yield
+    if _server is not None:
+        _server.close()
+
+
+def _start(argv: list[str], env: dict[str, str], files: Path) -> _Popened | _Forked:
+    """``python -u ARGV`` from the repository root: forked by the prefork server where ``env`` allows."""
+    server = _prefork()
+    if server is not None and server.takes(env):
+        return _Forked(server, argv, env, files)
+    return _Popened(argv, env)
+
+
+def run_python(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python ARGS`` (a script or ``-m MODULE``) as one process from the repository root, its output
+    captured, as ``subprocess.run`` would (``TimeoutExpired`` past ``timeout``); forked by the prefork server
+    where its environment allows."""
+    files = Path(tempfile.mkdtemp(prefix="python-"))
+    try:
+        proc = _start(args, env or run_env(), files / "proc")
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.signal(signal.SIGKILL)
+                proc.output()
+                raise subprocess.TimeoutExpired(args, timeout)
+            time.sleep(0.05)
+        out, err = proc.output()
+    finally:
+        shutil.rmtree(files, ignore_errors=True)
+    return subprocess.CompletedProcess(args, proc.poll() or 0, out, err)
+
+
 def start_ranks(
     script: list[str], ranks: int, timeout: float = 300, env: dict | None = None, one_device: bool = False
 ) -> subprocess.CompletedProcess:
     """``ranks`` processes of ``script`` (a path and its arguments) on this machine, with the environment the
     DeepSpeed launcher gives its ranks (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_*, MASTER_*), started
     directly: the launcher's own two interpreter start-ups are seconds per job, and the tests of the launcher's
-    behaviour (signals, a rank lost) start it themselves. ``one_device``: every rank with ``LOCAL_RANK=0``, to
-    share this machine's one GPU (DeepSpeed would otherwise ask for a ``cuda:1`` that does not exist).
+    behaviour (signals, a rank lost) start it themselves. Each rank is forked by the ``tests.prefork`` server
+    (torch, transformers and DeepSpeed already imported) where its environment allows, else a fresh
+    interpreter. ``one_device``: every rank with ``LOCAL_RANK=0``, to share this machine's one GPU (DeepSpeed
+    would otherwise ask for a ``cuda:1`` that does not exist).
 
     As the launcher: when a rank fails, the others get SIGTERM (after 5 s: ranks that stop together, exit 3
     after a save, end on their own) and 30 s before they are killed; the exit code is the first failure seen;
@@ -66,47 +249,33 @@ def start_ranks(
         "CROSS_RANK": "0",
         "CROSS_SIZE": "1",
     }
-    procs = []
+    files = Path(tempfile.mkdtemp(prefix="ranks-"))
+    procs: list[_Popened | _Forked] = []
     for r in range(ranks):
         local = 0 if one_device else r
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-u", script[0], f"--local_rank={local}", *script[1:]],
-                cwd=REPO,
-                env={**base, "RANK": str(r), "LOCAL_RANK": str(local)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    outs: list[tuple[str, str]] = [("", "")] * ranks
-    readers = [
-        threading.Thread(target=lambda i=i: outs.__setitem__(i, procs[i].communicate()), daemon=True)
-        for i in range(ranks)
-    ]
-    for t in readers:
-        t.start()
+        argv = [script[0], f"--local_rank={local}", *script[1:]]
+        rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(local)}
+        procs.append(_start(argv, rank_env, files / f"rank{r}"))
     deadline, failed_at, first_code, terminated = time.monotonic() + timeout, None, 0, False
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if failed_at is None:
-            failed = [p.returncode for p in procs if p.poll() not in (None, 0)]
+            failed = [p.poll() for p in procs if p.poll() not in (None, 0)]
             if failed:  # the exit code the launcher reports: the first failure it sees
                 failed_at, first_code = time.monotonic(), failed[0]
         elif not terminated and time.monotonic() - failed_at > 5:  # the others, stopping on their own (exit
             terminated = True  # 3 after a save), have had the launcher's poll interval and more
             for p in procs:
-                if p.poll() is None:
-                    p.terminate()
+                p.signal(signal.SIGTERM)
         if failed_at is not None and time.monotonic() - failed_at > 35:
             break
         time.sleep(0.1)
     for p in procs:
-        if p.poll() is None:
-            p.kill()
-    for t in readers:
-        t.join(timeout=60)  # a rank's DataLoader workers hold its pipes until they notice it is gone
-    rc = first_code or next((p.returncode for p in procs if p.returncode), 0)  # killed at the timeout: -9
-    return subprocess.CompletedProcess(script, rc, "".join(o for o, _ in outs), "".join(e for _, e in outs))
+        p.signal(signal.SIGKILL)
+    outs = [p.output() for p in procs]
+    shutil.rmtree(files, ignore_errors=True)
+    codes = [p.poll() for p in procs]
+    rc = first_code or next((c for c in codes if c), 0)  # killed at the timeout: -9
+    return subprocess.CompletedProcess(script, rc or 0, "".join(o for o, _ in outs), "".join(e for _, e in outs))
 
 
 @pytest.fixture(scope="session")

@@ -5,14 +5,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import training.config
 from common.errors import UserError
-from tests.conftest import REPO, run_env
+from tests.conftest import run_python
 from training.config import CONFIG_DIR, Config, gradient_accumulation, load_config
 from training.engine import deepspeed_config
 
@@ -103,14 +102,7 @@ def test_every_shipped_recipe_validates(path):
 
 
 def run_train(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "train.py", *args],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return run_python(["train.py", *args], timeout=120)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from data.loader import PretrainingLoader
-from tests.conftest import REPO, launcher, run_env, start_ranks
+from tests.conftest import REPO, launcher, run_env, run_python, start_ranks
 from training import events
 
 pytestmark = pytest.mark.slow
@@ -208,9 +208,7 @@ def test_time_accounting_covers_the_wall_time(straight_run):
 
 def single(args: list[str]) -> subprocess.CompletedProcess:
     """train.py as one process, without the launcher."""
-    return subprocess.run(
-        [sys.executable, "train.py", *args], cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300
-    )
+    return run_python(["train.py", *args])
 
 
 @pytest.mark.cuda  # on the GPU tier too: 2 ranks sharing its one GPU
