@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,9 +182,15 @@ def overrides(settings: dict, data: dict[str, Path], run_dir: Path) -> list[str]
 
 
 def train(
-    settings: dict, data: dict[str, Path], run_dir: Path, env: dict[str, str] | None = None, timeout: int = 600
+    settings: dict,
+    data: dict[str, Path],
+    run_dir: Path,
+    env: dict[str, str] | None = None,
+    timeout: int = 600,
+    run: Callable[..., subprocess.CompletedProcess] = subprocess.run,
 ) -> dict[int, float]:
-    """One ``python train.py --config smoke ...`` process; returns its per-step losses."""
+    """One ``python train.py --config smoke ...`` process; returns its per-step losses. ``run``: what starts
+    it, called as ``subprocess.run`` (the tests fork it from an interpreter that has imported torch)."""
     e = dict(os.environ)
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     e.update({"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
@@ -192,7 +199,7 @@ def train(
     e.update(PINNED_ENV)
     e.update(env or {})
     cmd = [sys.executable, "train.py", "--config", "smoke", *overrides(settings, data, run_dir)]
-    res = subprocess.run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
+    res = run(cmd, cwd=REPO, env=e, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"train.py exited {res.returncode}:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
     return read_losses(run_dir)

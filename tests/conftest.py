@@ -100,11 +100,10 @@ class _Forked:
 
 
 class _PreforkServer:
-    """The ``tests.prefork`` server of this session: started on first use with ``run_env()``, ended with the
-    session."""
+    """A ``tests.prefork`` server, its libraries imported under ``env``; ended with the session."""
 
-    def __init__(self) -> None:
-        self.env = run_env()
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
         self.log = Path(tempfile.mkdtemp(prefix="prefork-")) / "server.log"
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
@@ -141,12 +140,7 @@ class _PreforkServer:
         from tests.prefork import FORKABLE_ENV, FORKABLE_PREFIXES
 
         differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
-        unsafe = sorted(k for k in differ if not (k in FORKABLE_ENV or k.startswith(FORKABLE_PREFIXES)))
-        if unsafe:  # correct but slow: shown in pytest's warnings summary
-            warnings.warn(
-                f"prefork: a rank starts as a fresh interpreter; its environment differs in {unsafe}", stacklevel=3
-            )
-        return not unsafe
+        return all(k in FORKABLE_ENV or k.startswith(FORKABLE_PREFIXES) for k in differ)
 
     def spawn(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> int:
         """Fork a rank running ``argv`` with ``env``, its output into the two files; its pid."""
@@ -171,35 +165,48 @@ class _PreforkServer:
             self.proc.kill()
 
 
-_server: _PreforkServer | None = None
+_servers: list[_PreforkServer] = []
+_failed: list[str] = []  # a server that did not start: the session's ranks start fresh
+MAX_SERVERS = 3  # one per environment that changes what the preloaded libraries read at import
 
 
-def _prefork() -> _PreforkServer | None:
-    """This session's prefork server, or None where ranks must start fresh: a GPU machine (no fork after CUDA
-    is initialised), or ``WIKIPRETRAIN_TEST_PREFORK=0``."""
-    global _server
-    if os.environ.get("WIKIPRETRAIN_TEST_PREFORK", "1") == "0":
+def _prefork(env: dict[str, str]) -> _PreforkServer | None:
+    """A prefork server that may fork a rank with ``env`` (started with ``env`` if none may yet), or None
+    where ranks must start fresh: a GPU machine (no fork after CUDA is initialised), ``MAX_SERVERS`` running
+    already (a warning in pytest's summary: correct, but 5 s slower per rank), or
+    ``WIKIPRETRAIN_TEST_PREFORK=0``."""
+    if os.environ.get("WIKIPRETRAIN_TEST_PREFORK", "1") == "0" or _failed:
         return None
-    if _server is None:
-        import torch
+    for server in _servers:
+        if server.takes(env):
+            return server
+    import torch
 
-        if torch.cuda.is_available():
-            return None
-        _server = _PreforkServer()
-    return _server
+    if torch.cuda.is_available():
+        return None
+    if len(_servers) == MAX_SERVERS:
+        warnings.warn(f"prefork: {MAX_SERVERS} servers running; a rank starts as a fresh interpreter", stacklevel=3)
+        return None
+    try:
+        _servers.append(_PreforkServer(env))
+    except RuntimeError as e:  # correct without it, 5 s slower per rank
+        warnings.warn(f"prefork: {e}; ranks start as fresh interpreters", stacklevel=3)
+        _failed.append(str(e))
+        return None
+    return _servers[-1]
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _close_prefork():
     yield
-    if _server is not None:
-        _server.close()
+    for server in _servers:
+        server.close()
 
 
 def _start(argv: list[str], env: dict[str, str], files: Path) -> _Popened | _Forked:
     """``python -u ARGV`` from the repository root: forked by the prefork server where ``env`` allows."""
-    server = _prefork()
-    if server is not None and server.takes(env):
+    server = _prefork(env)
+    if server is not None:
         return _Forked(server, argv, env, files)
     return _Popened(argv, env)
 
@@ -276,6 +283,29 @@ def start_ranks(
     codes = [p.poll() for p in procs]
     rc = first_code or next((c for c in codes if c), 0)  # killed at the timeout: -9
     return subprocess.CompletedProcess(script, rc or 0, "".join(o for o, _ in outs), "".join(e for _, e in outs))
+
+
+def run_in_ranks(fn, args: tuple, nprocs: int) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes, as ``torch.multiprocessing.spawn``, but forked from this
+    process where no CUDA device exists (the ranks then skip the 4 s of importing torch, the test module and what
+    it imports; a process must not fork after initialising CUDA). The tests that use it build their own gloo
+    process group and touch nothing of pytest's."""
+    import torch
+    import torch.multiprocessing as mp
+
+    if torch.cuda.is_available():
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+    else:
+        mp.start_processes(_one_thread, args=(fn, *args), nprocs=nprocs, join=True, start_method="fork")
+
+
+def _one_thread(rank: int, fn, *args) -> None:
+    """A forked rank computes on one thread, as DataLoader workers do: OpenMP's pool, once used by the parent,
+    does not survive a fork (its first parallel region would wait forever)."""
+    import torch
+
+    torch.set_num_threads(1)
+    fn(rank, *args)
 
 
 @pytest.fixture(scope="session")

@@ -126,6 +126,9 @@ def main() -> None:
 
     if torch.cuda.is_available():  # the harness does not send ranks here on a GPU machine; never fork after CUDA
         sys.exit("prefork: a CUDA device is present; ranks must start as fresh interpreters")
+    threads = len(os.listdir("/proc/self/task"))
+    if threads != 1:  # a fork copies only the forking thread: locks the others hold would never be released
+        sys.exit(f"prefork: the preloaded libraries started {threads - 1} thread(s); a fork would lose them")
     os.write(replies, b'{"ready": true}\n')
     req = serve(0, replies)
     if req is None:

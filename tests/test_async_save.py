@@ -1,4 +1,4 @@
-"""The background save's commit protocol on 2 real ranks (spawn + gloo), without DeepSpeed: each rank's part
+"""The background save's commit protocol on 2 real ranks (forked or spawned, gloo), without DeepSpeed: each rank's part
 is reported through the step's collective (``StepReduction``), the tag is committed only once every rank's
 files are durable, and a failed write reaches every rank as the same one line, the tag removed and ``latest``
 untouched. The DeepSpeed runs (exact resume, a full disk) are in test_train.py."""
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from common.errors import UserError
 from common.net import free_port
+from tests.conftest import run_in_ranks
 from training import checkpoint, saving
 from training.trainer import StepReduction
 
@@ -82,7 +82,7 @@ def _rank_main(rank: int, world: int, ckpt: str, fail_rank: int, out: str, port:
 
 def run_ranks(ckpt: Path, out: Path, fail_rank: int) -> list[dict]:
     out.mkdir()
-    mp.spawn(_rank_main, args=(2, str(ckpt), fail_rank, str(out), free_port()), nprocs=2, join=True)
+    run_in_ranks(_rank_main, (2, str(ckpt), fail_rank, str(out), free_port()), nprocs=2)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -1,5 +1,5 @@
-"""PretrainingLoader on real BERT shards: 2 real ranks (spawn + gloo), exact resume, world-size change, order,
-bounded buffers, NVIDIA-made shards and schema errors."""
+"""PretrainingLoader on real BERT shards: 2 real ranks (forked or spawned, gloo), exact resume, world-size change,
+order, bounded buffers, NVIDIA-made shards and schema errors."""
 
 from __future__ import annotations
 
@@ -16,13 +16,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from common.errors import UserError
 from common.net import free_port
 from data.h5format import BERT_SCHEMA
 from data.loader import EvalSet, PretrainingLoader
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, run_env, run_in_ranks
 
 NAMES = list(BERT_SCHEMA)  # the datasets of a BERT shard, NVIDIA's names and order
 ORDER = {"unit_rows": 16}  # many units even on the small sample
@@ -139,7 +138,7 @@ def _rank_main(rank: int, world: int, shard_dir: str, out: str, port: int) -> No
 @pytest.mark.slow
 def test_two_ranks_disjoint_resume_and_world_change(shards: Path, all_keys: list[str], tmp_path: Path) -> None:
     out = tmp_path / "ranks.json"
-    mp.spawn(_rank_main, args=(2, str(shards), str(out), free_port()), nprocs=2, join=True)
+    run_in_ranks(_rank_main, (2, str(shards), str(out), free_port()), nprocs=2)
     ranks = json.loads(out.read_text())
     ref = take_steps(iter(loader(shards, mb=8, ga=2)), 5, 2)  # 1 rank, same global batch of 16
     for k in range(5):

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_python
 
 pytestmark = pytest.mark.slow
 
@@ -43,8 +45,14 @@ def neox_shards(tmp_path_factory, wiki_text_dir) -> dict[str, Path]:
     return lc.build_neox(Path(wiki_text_dir), tmp_path_factory.mktemp("curveneox"))
 
 
+def _forked(cmd: list[str], *, cwd: Path, env: dict[str, str], timeout: float, **_) -> subprocess.CompletedProcess:
+    """``lc.train``'s ``python train.py ...``, forked by a prefork server (one for the pinned kernels' env)."""
+    assert cmd[0] == sys.executable and Path(cwd) == REPO, cmd
+    return run_python(cmd[1:], timeout=timeout, env=env)
+
+
 def _run(model: str, shards: dict[str, Path], run_dir: Path, **change) -> dict[int, float]:
-    return lc.train({**lc.SETTINGS[model], **change}, shards, run_dir, timeout=900)
+    return lc.train({**lc.SETTINGS[model], **change}, shards, run_dir, timeout=900, run=_forked)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from common.net import free_port
+from tests.conftest import run_in_ranks
 from training.replicas import replica_checksum, write_replica_digest
 
 
@@ -72,7 +72,7 @@ def _rank(rank: int, world: int, port: int, out: str, flip: bool) -> None:
 def test_the_ranks_compare_their_replicas(tmp_path: Path, flip: bool) -> None:
     """Two ranks (gloo): equal replicas agree; one flipped bit in rank 1's copy makes both ranks see it, and
     the two files differ."""
-    mp.spawn(_rank, args=(2, free_port(), str(tmp_path), flip), nprocs=2, join=True)
+    run_in_ranks(_rank, (2, free_port(), str(tmp_path), flip), nprocs=2)
     agree = [json.loads((tmp_path / f"agree{r}.json").read_text()) for r in range(2)]
     digests = [json.loads((tmp_path / "replicas" / f"rank{r}.json").read_text())["params_sha256"] for r in range(2)]
     assert agree == [not flip, not flip]
