@@ -33,7 +33,8 @@ Toy size (CI, seconds, not a measurement): ``--models bert-debug --steps 2 --war
 --micro-batch 2 --global-batch 4``.
 
 GPU rows (``--rows``, on one GPU; ``--tiny``: the same rows at debug sizes on CPU, run by CI, asserting that
-both sides produced every figure with MFU in (0, 1]). Each row is a shipped recipe (configs/) run by ours
+both sides produced every figure with MFU in (0, 1], a row's runs two at a time (``--jobs``): a smoke test,
+not a measurement). Each row is a shipped recipe (configs/) run by ours
 with each of its optimizers and by the Trainer (BF16 autocast, SDPA, fused AdamW; ``--peer-compile``: its
 ``torch_compile``) on the same shards, sequence length and batches, at the row's micro-batch; ``--largest``
 then doubles each side's micro-batch until it runs out of device memory (``--largest-cap``) and records the
@@ -54,7 +55,7 @@ DeepSpeed and transformers versions. ``scripts/gpu.sh`` runs them (``ROWS=all``)
 vocabulary and tokenizer (``--vocab``, ``--tokenizer``); $WIKIPRETRAIN_DEVICE_MEMORY_GIB caps both sides.
 
     python benchmarks/bench_train.py --rows all --largest --vocab V --tokenizer T --json rows.json   # GPU
-    python benchmarks/bench_train.py --tiny                                                         # CPU, ~1.5 min
+    python benchmarks/bench_train.py --tiny                                                         # CPU, ~1 min
 
 ``Trainer`` needs ``accelerate`` (>= 1.1), which the project itself does not use (the ``bench`` and ``dev``
 extras install it): ``pip install accelerate``, or ``pip install --no-deps --target DIR accelerate`` and
@@ -72,6 +73,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -115,6 +117,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     rows.add_argument("--peer-compile", action="store_true", help="the Trainer with torch_compile=True")
     rows.add_argument("--vocab", default=None, help="BERT vocab.txt (default: built from the sample)")
     rows.add_argument("--tokenizer", default=None, help="GPT-NeoX tokenizer.json (default: built from the sample)")
+    rows.add_argument(
+        "--jobs", type=int, default=None, help="a row's runs at once (1; --tiny: 2, not a measurement; never on a GPU)"
+    )
     args = p.parse_args(argv)
     rows_mode = bool(args.rows or args.tiny)
     for key, plain, in_rows in (
@@ -555,8 +560,9 @@ def row_shape(row: Row, args: argparse.Namespace, micro: int) -> tuple[str, int]
     return (row.tiny_model if args.tiny else row.model), -(-total // micro) * micro
 
 
-def row_ours(row: Row, data: dict[str, Any], args, optimizer: str, micro: int, ports: Ports) -> dict | None:
-    """Ours on the row's recipe; None when the micro-batch runs out of device memory."""
+def row_ours(row: Row, data: dict[str, Any], args, optimizer: str, micro: int, port: int) -> dict | None:
+    """Ours on the row's recipe (``port``: its MASTER_PORT); None when the micro-batch runs out of device
+    memory."""
     work = Path(args.work)
     model, global_batch = row_shape(row, args, micro)
     tag = f"{model}-seq{data['seq']}-{optimizer}-m{micro}"
@@ -586,7 +592,6 @@ def row_ours(row: Row, data: dict[str, Any], args, optimizer: str, micro: int, p
     ]
     if row.max_pred:
         overrides.append(f"data.max_pred={row.max_pred}")
-    port = ports.take()
     env = row_env(args)
     env["MASTER_PORT"] = str(port)
     script = str(REPO / "benchmarks" / "bench_train_ours.py")
@@ -687,6 +692,10 @@ def run_rows(args: argparse.Namespace) -> int:
         args.steps, args.warmup = TINY["steps"], TINY["warmup"]
     if args.steps < 1 or args.warmup < 1:
         raise UserError(f"--steps={args.steps} and --warmup={args.warmup} must be at least 1 in rows mode")
+    if args.jobs is None:
+        args.jobs = 2 if args.tiny else 1
+    if args.jobs < 1 or (args.jobs > 1 and on_gpu(args)):
+        raise UserError(f"--jobs={args.jobs}: 1 on a GPU (its runs share one device), at least 1 elsewhere")
     for name in names:
         micro, total = args.micro_batch or ROWS[name].micro, args.global_batch or ROWS[name].global_batch
         if micro <= 0 or total % micro:
@@ -704,13 +713,17 @@ def run_rows(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         data = row_data(work, row, args)
         micro = args.micro_batch or row.micro
-        runs = [row_ours(row, data, args, opt, micro, ports) for opt in row.optimizers]
-        runs.append(row_peer(row, data, args, micro))
+        shared = [partial(row_ours, row, data, args, opt, micro, ports.take()) for opt in row.optimizers]
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # subprocesses: the threads only wait
+            runs = list(pool.map(lambda run: run(), [*shared, partial(row_peer, row, data, args, micro)]))
         if any(r is None for r in runs):
             raise UserError(f"row {name}: micro-batch {micro} does not fit one side; give a smaller --micro-batch")
         fits: dict[str, str] = {"ours": "-", "peer": "-"}  # "-": not searched (no --largest)
         if args.largest:
-            ours_at = partial(row_ours, row, data, args, row.optimizers[-1], ports=ports)
+
+            def ours_at(micro: int, row: Row = row, data: dict[str, Any] = data) -> dict | None:
+                return row_ours(row, data, args, row.optimizers[-1], micro, ports.take())
+
             peer_at = partial(row_peer, row, data, args)
             for side, run in (("ours", ours_at), ("peer", peer_at)):
                 more, fitted, capped = largest(lambda m, run=run: run(micro=m), micro * 2, args.largest_cap)

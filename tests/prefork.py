@@ -2,7 +2,7 @@
 
 A rank started as a fresh interpreter spends about 5 s of CPU importing torch, transformers and DeepSpeed
 (1 s of it ``torch._inductor``, which every ZeRO engine pulls in through DeepSpeed's Muon module) before it
-reads its arguments, and the suite starts a rank about a hundred times. DeepSpeed's own tests keep their worker
+reads its arguments, and the suite starts ranks dozens of times. DeepSpeed's own tests keep their worker
 processes between tests for the same reason (``reuse_dist_env``); PyTorch's ``MultiProcessTestCase`` forks its
 ranks. Here one server process does those imports once and forks a child per rank, which then runs the script
 as ``python -u SCRIPT ARGS`` (or ``-m MODULE``) would: ``runpy`` as ``__main__``, its own argv, ``sys.path[0]``,
