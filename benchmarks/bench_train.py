@@ -73,6 +73,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -714,8 +715,7 @@ def run_rows(args: argparse.Namespace) -> int:
         data = row_data(work, row, args)
         micro = args.micro_batch or row.micro
         shared = [partial(row_ours, row, data, args, opt, micro, ports.take()) for opt in row.optimizers]
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:  # subprocesses: the threads only wait
-            runs = list(pool.map(lambda run: run(), [*shared, partial(row_peer, row, data, args, micro)]))
+        runs = run_all([*shared, partial(row_peer, row, data, args, micro)], args.jobs)
         if any(r is None for r in runs):
             raise UserError(f"row {name}: micro-batch {micro} does not fit one side; give a smaller --micro-batch")
         fits: dict[str, str] = {"ours": "-", "peer": "-"}  # "-": not searched (no --largest)
@@ -740,6 +740,20 @@ def run_rows(args: argparse.Namespace) -> int:
     if args.tiny:
         check_tiny(results)
     return 0
+
+
+def run_all(runs: list[Callable[[], dict | None]], jobs: int) -> list[dict | None]:
+    """The runs' results in order: one after the other, or ``jobs`` at a time (threads that wait on
+    subprocesses); the first failure ends the rest, those not started are never started."""
+    if jobs == 1:
+        return [run() for run in runs]
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(run) for run in runs]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
 def check_tiny(results: dict[str, dict]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -84,7 +85,7 @@ class _Forked:
         self.pid = server.spawn(argv, env, *self.files)
 
     def poll(self) -> int | None:
-        return self.server.exits.get(self.pid)
+        return self.server.exit_of(self.pid)
 
     def signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -118,10 +119,13 @@ class _PreforkServer:
         self.pids: dict[int, int] = {}
         self.lock, self.changed, self.next_id = threading.Lock(), threading.Condition(), 0
         assert self.proc.stdout is not None
-        first = self.proc.stdout.readline()
+        ready, _, _ = select.select([self.proc.stdout], [], [], 180)  # the imports: seconds
+        first = self.proc.stdout.readline() if ready else b""
         if json.loads(first or "{}").get("ready") is not True:
+            self.close()
             raise RuntimeError(f"tests.prefork did not start:\n{self.log.read_text()[-3000:]}")
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -130,9 +134,21 @@ class _PreforkServer:
             with self.changed:
                 if "id" in msg:
                     self.pids[msg["id"]] = msg["pid"]
+                    self.exits.pop(msg["pid"], None)  # a reused pid: the earlier child's exit is not this one's
                 else:
                     self.exits[msg["pid"]] = msg["returncode"]
                 self.changed.notify_all()
+
+    def exit_of(self, pid: int) -> int | None:
+        """The exit code of this server's child ``pid``; None while it runs. A child whose server has ended
+        without reporting it counts as failed (its exit will never be known)."""
+        code = self.exits.get(pid)
+        if code is None and self.proc.poll() is not None and not self.reader.is_alive():
+            return SERVER_LOST
+        return code
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
 
     def takes(self, env: dict[str, str]) -> bool:
         """Whether a rank with this environment may be forked here: it differs from the server's only in
@@ -158,13 +174,17 @@ class _PreforkServer:
 
     def close(self) -> None:
         if self.proc.stdin is not None:
-            self.proc.stdin.close()
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
         if self.proc.poll() is None:
             self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.log.parent, ignore_errors=True)
 
 
+SERVER_LOST = -255  # the exit code of a forked rank whose server ended before reporting it
 _servers: list[_PreforkServer] = []
 _failed: list[str] = []  # a server that did not start: the session's ranks start fresh
 MAX_SERVERS = 3  # one per environment that changes what the preloaded libraries read at import
@@ -177,6 +197,7 @@ def _prefork(env: dict[str, str]) -> _PreforkServer | None:
     ``WIKIPRETRAIN_TEST_PREFORK=0``."""
     if os.environ.get("WIKIPRETRAIN_TEST_PREFORK", "1") == "0" or _failed:
         return None
+    _servers[:] = [s for s in _servers if s.alive()]  # one that died (killed, out of memory) is replaced
     for server in _servers:
         if server.takes(env):
             return server
@@ -258,26 +279,28 @@ def start_ranks(
     }
     files = Path(tempfile.mkdtemp(prefix="ranks-"))
     procs: list[_Popened | _Forked] = []
-    for r in range(ranks):
-        local = 0 if one_device else r
-        argv = [script[0], f"--local_rank={local}", *script[1:]]
-        rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(local)}
-        procs.append(_start(argv, rank_env, files / f"rank{r}"))
-    deadline, failed_at, first_code, terminated = time.monotonic() + timeout, None, 0, False
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if failed_at is None:
-            failed = [p.poll() for p in procs if p.poll() not in (None, 0)]
-            if failed:  # the exit code the launcher reports: the first failure it sees
-                failed_at, first_code = time.monotonic(), failed[0]
-        elif not terminated and time.monotonic() - failed_at > 5:  # the others, stopping on their own (exit
-            terminated = True  # 3 after a save), have had the launcher's poll interval and more
-            for p in procs:
-                p.signal(signal.SIGTERM)
-        if failed_at is not None and time.monotonic() - failed_at > 35:
-            break
-        time.sleep(0.1)
-    for p in procs:
-        p.signal(signal.SIGKILL)
+    try:
+        for r in range(ranks):
+            local = 0 if one_device else r
+            argv = [script[0], f"--local_rank={local}", *script[1:]]
+            rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(local)}
+            procs.append(_start(argv, rank_env, files / f"rank{r}"))
+        deadline, failed_at, first_code, terminated = time.monotonic() + timeout, None, 0, False
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if failed_at is None:
+                failed = [p.poll() for p in procs if p.poll() not in (None, 0)]
+                if failed:  # the exit code the launcher reports: the first failure it sees
+                    failed_at, first_code = time.monotonic(), failed[0]
+            elif not terminated and time.monotonic() - failed_at > 5:  # the others, stopping on their own
+                terminated = True  # (exit 3 after a save), have had the launcher's poll interval and more
+                for p in procs:
+                    p.signal(signal.SIGTERM)
+            if failed_at is not None and time.monotonic() - failed_at > 35:
+                break
+            time.sleep(0.1)
+    finally:  # also when a rank could not be started: none is left waiting for its peers
+        for p in procs:
+            p.signal(signal.SIGKILL)
     outs = [p.output() for p in procs]
     shutil.rmtree(files, ignore_errors=True)
     codes = [p.poll() for p in procs]
@@ -285,18 +308,26 @@ def start_ranks(
     return subprocess.CompletedProcess(script, rc or 0, "".join(o for o, _ in outs), "".join(e for _, e in outs))
 
 
-def run_in_ranks(fn, args: tuple, nprocs: int) -> None:
+def run_in_ranks(fn, args: tuple, nprocs: int, timeout: float = 300) -> None:
     """``fn(rank, *args)`` in ``nprocs`` processes, as ``torch.multiprocessing.spawn``, but forked from this
     process where no CUDA device exists (the ranks then skip the 4 s of importing torch, the test module and what
-    it imports; a process must not fork after initialising CUDA). The tests that use it build their own gloo
-    process group and touch nothing of pytest's."""
+    it imports; a process must not fork after initialising CUDA) and ``WIKIPRETRAIN_TEST_PREFORK`` is not 0.
+    The tests that use it build their own gloo process group and touch nothing of pytest's. A rank that fails
+    raises here, as with ``spawn``; ranks still running after ``timeout`` are killed and the test fails."""
     import torch
     import torch.multiprocessing as mp
 
-    if torch.cuda.is_available():
-        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+    fresh = torch.cuda.is_available() or os.environ.get("WIKIPRETRAIN_TEST_PREFORK", "1") == "0"
+    if fresh:
+        ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     else:
-        mp.start_processes(_one_thread, args=(fn, *args), nprocs=nprocs, join=True, start_method="fork")
+        ctx = mp.start_processes(_one_thread, args=(fn, *args), nprocs=nprocs, join=False, start_method="fork")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"{fn.__name__}: ranks still running after {timeout:g} s")
 
 
 def _one_thread(rank: int, fn, *args) -> None:

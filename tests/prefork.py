@@ -10,10 +10,12 @@ environment, working directory, stdin on /dev/null, unbuffered stdout and stderr
 interpreter exit (exit code, ``atexit``, uncaught exceptions).
 
 Only third-party libraries are imported ahead, and only those that read nothing from the environment at import
-that a rank could set differently: ``start_ranks`` sends a rank here only when its environment differs from
-the server's in the launcher's keys and the project's own (``FORKABLE_ENV``), and never on a machine with a
-GPU (a process must not fork after initialising CUDA). The project's modules load in the child, under the
-rank's environment.
+that a rank could set differently: ``tests.conftest`` sends a rank to a server whose environment differs from
+the rank's only in the launcher's keys and the project's own (``FORKABLE_ENV``), starting one per other
+environment, and never on a machine with a GPU (a process must not fork after initialising CUDA). The
+project's modules load in the child, under the rank's environment. What still differs from a fresh
+interpreter: ranks forked by one server share its ``str`` hash seed, and what the preloaded imports print goes
+to the server's log, not to the rank's stderr.
 
 Protocol (JSON lines): the harness writes ``{"id", "argv", "env", "cwd", "stdout", "stderr"}`` to the server's
 stdin; the server answers ``{"id", "pid"}`` at once and ``{"pid", "returncode"}`` (``Popen``'s convention: -N
@@ -22,12 +24,15 @@ for signal N) when that child ends. The server ends when its stdin closes.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import json
 import os
 import runpy
 import select
 import sys
+
+LIBC = ctypes.CDLL(None)
 
 PRELOAD = (
     "numpy",
@@ -72,6 +77,7 @@ def serve(requests: int, replies: int) -> dict | None:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 req = json.loads(line)
+                LIBC.fflush(None)  # nothing of the server's C stdio buffers is written again by the child
                 pid = os.fork()
                 if pid == 0:
                     os.close(requests)
@@ -87,12 +93,18 @@ def serve(requests: int, replies: int) -> dict | None:
             reply({"pid": pid, "returncode": os.waitstatus_to_exitcode(status)})
 
 
-def become(req: dict) -> str | None:
-    """In a forked child: take the rank's working directory, environment, stdin, stdout, stderr, argv and
-    ``sys.path[0]``; the script's path (None for ``-m MODULE``, whose name is then ``sys.argv[0]``)."""
+def become(req: dict, set_by_imports: dict[str, str]) -> str | None:
+    """In a forked child: take the rank's working directory, environment (with what the preloaded imports set
+    in it, as they would have), stdin, stdout, stderr, argv and ``sys.path[0]``, and a numpy global seed of its
+    own; the script's path (None for ``-m MODULE``, whose name is then ``sys.argv[0]``)."""
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
+    for key, value in set_by_imports.items():  # e.g. deepspeed's PYTORCH_NVML_BASED_CUDA_CHECK
+        os.environ.setdefault(key, value)
+    import numpy
+
+    numpy.random.seed()  # from the OS, as at a fresh import (Python's own random reseeds itself at a fork)
     for fd, path, flags in (
         (0, os.devnull, os.O_RDONLY),
         (1, req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
@@ -104,7 +116,8 @@ def become(req: dict) -> str | None:
             os.close(opened)
     encoding = sys.stdout.encoding
     sys.stdin = sys.__stdin__ = open(0, closefd=False)  # noqa: SIM115 (the process's stdin, kept open)
-    # as ``python -u``: unbuffered binary layer, text written through
+    # as ``python -u``: unbuffered binary layer, text written through, C stdio's stdout unbuffered
+    LIBC.setvbuf(ctypes.c_void_p.in_dll(LIBC, "stdout"), None, 2, 0)  # _IONBF
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding, write_through=True)
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), encoding, "backslashreplace", write_through=True
@@ -114,14 +127,16 @@ def become(req: dict) -> str | None:
         return None
     sys.argv = list(req["argv"])
     sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
-    return sys.argv[0]
+    return os.path.abspath(sys.argv[0])  # __file__ absolute, as Python gives a script since 3.9
 
 
 def main() -> None:
     replies = os.dup(1)
     os.dup2(2, 1)  # what the imports print goes to the server's stderr, not into the replies
+    before = dict(os.environ)
     for name in PRELOAD:
         __import__(name)
+    set_by_imports = {k: v for k, v in os.environ.items() if before.get(k) != v}
     import torch
 
     if torch.cuda.is_available():  # the harness does not send ranks here on a GPU machine; never fork after CUDA
@@ -133,7 +148,7 @@ def main() -> None:
     req = serve(0, replies)
     if req is None:
         return
-    script = become(req)
+    script = become(req, set_by_imports)
     if script is None:
         runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
     else:

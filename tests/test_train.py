@@ -912,8 +912,9 @@ def test_resume_on_a_different_world_size(bert_data, tmp_path):
 
 
 def test_sweep_of_train_py_reports_measured_efficiency(bert_data, tmp_path):
-    """launch sweep runs the real train.py at 1 and 2 ranks, evaluating and saving inside the runs; launch
-    report computes the efficiency (runs never write it themselves) and draws a PNG."""
+    """launch sweep runs the real train.py at 1 and 2 ranks, evaluating and saving inside the runs, and
+    tabulates the efficiency; run again, it skips the sizes already measured; launch report computes the
+    efficiency (runs never write it themselves) and draws a PNG."""
     cfg = tmp_path / "sweep.yaml"
     cfg.write_text(
         f"base: {REPO / 'configs' / 'smoke.yaml'}\n"
@@ -950,8 +951,22 @@ def test_sweep_of_train_py_reports_measured_efficiency(bert_data, tmp_path):
         assert 0 < s["mfu"] <= 1 and 0 <= s["data_wait_fraction"] <= 1
         assert s["zero_stage"] == s["zero_stage_requested"] == 2
         assert s["eval_s"] > 0 and s["save_s"] > 0 and s["eval_samples"] == 32
-        assert "scaling_efficiency" not in s
+        assert "scaling_efficiency" not in s  # each run: its own figures
+        assert s["nodes"] == 1
     measured = s2["sequences_per_sec_per_device"] / s1["sequences_per_sec_per_device"]
+    assert 0 < measured < 2
+    assert f"{measured * 100:.1f}%" in res.stdout  # the sweep's own table, computed from the summaries
+    # a second sweep skips the sizes already measured
+    again = subprocess.run(
+        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps", "8"]
+        + ["--out", str(runs)],
+        cwd=REPO,
+        env=run_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 0 and again.stdout.count("skip ") == 2, again.stdout + again.stderr
     rep = subprocess.run(
         [sys.executable, "-m", "launch", "report", str(runs), "--plot", str(png)],
         cwd=REPO,
@@ -961,7 +976,9 @@ def test_sweep_of_train_py_reports_measured_efficiency(bert_data, tmp_path):
         timeout=120,
     )
     assert rep.returncode == 0, rep.stderr
-    assert f"{measured * 100:.1f}%" in rep.stdout
-    import matplotlib.image
+    assert f"{measured * 100:.1f}%" in rep.stdout and "(baseline)" in rep.stdout
+    assert "| 1 | 2 |" in rep.stdout  # one node, two ranks
+    from PIL import Image
 
-    assert matplotlib.image.imread(png).shape[0] > 100
+    with Image.open(png) as im:
+        assert im.size == (1100, 420)
