@@ -33,8 +33,8 @@ Toy size (CI, seconds, not a measurement): ``--models bert-debug --steps 2 --war
 --micro-batch 2 --global-batch 4``.
 
 GPU rows (``--rows``, on one GPU; ``--tiny``: the same rows at debug sizes on CPU, run by CI, asserting that
-both sides produced every figure with MFU in (0, 1], a row's runs two at a time (``--jobs``): a smoke test,
-not a measurement). Each row is a shipped recipe (configs/) run by ours
+both sides produced every figure with MFU in (0, 1], the runs two at a time (``--jobs``): a smoke test, not
+a measurement). Each row is a shipped recipe (configs/) run by ours
 with each of its optimizers and by the Trainer (BF16 autocast, SDPA, fused AdamW; ``--peer-compile``: its
 ``torch_compile``) on the same shards, sequence length and batches, at the row's micro-batch; ``--largest``
 then doubles each side's micro-batch until it runs out of device memory (``--largest-cap``) and records the
@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     rows.add_argument("--vocab", default=None, help="BERT vocab.txt (default: built from the sample)")
     rows.add_argument("--tokenizer", default=None, help="GPT-NeoX tokenizer.json (default: built from the sample)")
     rows.add_argument(
-        "--jobs", type=int, default=None, help="a row's runs at once (1; --tiny: 2, not a measurement; never on a GPU)"
+        "--jobs", type=int, default=None, help="runs at once (1; --tiny: 2, not a measurement; never on a GPU)"
     )
     args = p.parse_args(argv)
     rows_mode = bool(args.rows or args.tiny)
@@ -709,51 +709,70 @@ def run_rows(args: argparse.Namespace) -> int:
     meta = versions(args)
     log.info("versions: " + ", ".join(f"{k} {v}" for k, v in meta.items()))
     results: dict[str, dict] = {}
-    for name in names:
-        row = ROWS[name]
-        t0 = time.perf_counter()
-        data = row_data(work, row, args)
-        micro = args.micro_batch or row.micro
-        shared = [partial(row_ours, row, data, args, opt, micro, ports.take()) for opt in row.optimizers]
-        runs = run_all([*shared, partial(row_peer, row, data, args, micro)], args.jobs)
-        if any(r is None for r in runs):
-            raise UserError(f"row {name}: micro-batch {micro} does not fit one side; give a smaller --micro-batch")
-        fits: dict[str, str] = {"ours": "-", "peer": "-"}  # "-": not searched (no --largest)
-        if args.largest:
+    shards_of = {name: row_data(work, ROWS[name], args) for name in names}
+    with RunQueue(args.jobs) as queue:
+        queued = {}
+        for name in names:  # each row's shared-micro-batch runs: with --jobs > 1, every row's queued at once
+            row, data, micro = ROWS[name], shards_of[name], args.micro_batch or ROWS[name].micro
+            shared = [partial(row_ours, row, data, args, opt, micro, ports.take()) for opt in row.optimizers]
+            queued[name] = queue.put([*shared, partial(row_peer, row, data, args, micro)])
+        for name in names:
+            t0 = time.perf_counter()
+            row_results(name, shards_of[name], queue.results(queued[name]), results, args, ports)
+            results[name]["wall_s"] = time.perf_counter() - t0
+            log.info(f"row {name}: {len(results[name]['runs'])} runs in {results[name]['wall_s']:.0f}s")
+            if args.json:  # after every row: a later failure keeps what was measured
+                from common.atomic import atomic_write_json
 
-            def ours_at(micro: int, row: Row = row, data: dict[str, Any] = data) -> dict | None:
-                return row_ours(row, data, args, row.optimizers[-1], micro, ports.take())
-
-            peer_at = partial(row_peer, row, data, args)
-            for side, run in (("ours", ours_at), ("peer", peer_at)):
-                more, fitted, capped = largest(lambda m, run=run: run(micro=m), micro * 2, args.largest_cap)
-                runs += more
-                fits[side] = f">= {fitted or micro}" if capped else str(fitted or micro)
-        results[name] = {"row": name, "seq": data["seq"], "runs": runs, "largest_micro_batch": fits}
-        results[name]["wall_s"] = time.perf_counter() - t0
-        log.info(f"row {name}: {len(runs)} runs in {results[name]['wall_s']:.0f}s")
-        if args.json:  # after every row: a later failure keeps what was measured
-            from common.atomic import atomic_write_json
-
-            atomic_write_json(Path(args.json), {"versions": meta, "args": vars(args), "rows": results})
+                atomic_write_json(Path(args.json), {"versions": meta, "args": vars(args), "rows": results})
     print(rows_table(results, meta, args))
     if args.tiny:
         check_tiny(results)
     return 0
 
 
-def run_all(runs: list[Callable[[], dict | None]], jobs: int) -> list[dict | None]:
-    """The runs' results in order: one after the other, or ``jobs`` at a time (threads that wait on
-    subprocesses); the first failure ends the rest, those not started are never started."""
-    if jobs == 1:
-        return [run() for run in runs]
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(run) for run in runs]
-        try:
-            return [f.result() for f in futures]
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
+def row_results(
+    name: str, data: dict[str, Any], runs: list[dict | None], results: dict, args: argparse.Namespace, ports: Ports
+) -> None:
+    """A row's entry in ``results``: its shared-micro-batch runs, then with ``--largest`` each side's largest
+    micro-batch (searched one run at a time)."""
+    row, micro = ROWS[name], args.micro_batch or ROWS[name].micro
+    if any(r is None for r in runs):
+        raise UserError(f"row {name}: micro-batch {micro} does not fit one side; give a smaller --micro-batch")
+    fits: dict[str, str] = {"ours": "-", "peer": "-"}  # "-": not searched (no --largest)
+    if args.largest:
+
+        def ours_at(micro: int) -> dict | None:
+            return row_ours(row, data, args, row.optimizers[-1], micro, ports.take())
+
+        peer_at = partial(row_peer, row, data, args)
+        for side, run in (("ours", ours_at), ("peer", peer_at)):
+            more, fitted, capped = largest(lambda m, run=run: run(micro=m), micro * 2, args.largest_cap)
+            runs += more
+            fits[side] = f">= {fitted or micro}" if capped else str(fitted or micro)
+    results[name] = {"row": name, "seq": data["seq"], "runs": runs, "largest_micro_batch": fits}
+
+
+class RunQueue:
+    """Runs one after the other, each when its result is asked for (``jobs`` 1), or ``jobs`` at a time from
+    when they are put (threads that wait on subprocesses). Leaving it cancels the runs not yet started: the
+    first failure ends the rest."""
+
+    def __init__(self, jobs: int) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=jobs) if jobs > 1 else None
+
+    def put(self, runs: list[Callable[[], dict | None]]) -> list:
+        return [self.pool.submit(run) for run in runs] if self.pool else runs
+
+    def results(self, queued: list) -> list[dict | None]:
+        return [q.result() for q in queued] if self.pool else [run() for run in queued]
+
+    def __enter__(self) -> RunQueue:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pool:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 def check_tiny(results: dict[str, dict]) -> None:
