@@ -190,20 +190,28 @@ _failed: list[str] = []  # a server that did not start: the session's ranks star
 MAX_SERVERS = 3  # one per environment that changes what the preloaded libraries read at import
 
 
+def _may_fork() -> bool:
+    """Whether test processes may be forked here: not on a GPU machine (no fork after CUDA is initialised), and
+    not where ``WIKIPRETRAIN_TEST_PREFORK=0`` asks for fresh interpreters."""
+    if os.environ.get("WIKIPRETRAIN_TEST_PREFORK", "1") == "0":
+        return False
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def _prefork(env: dict[str, str]) -> _PreforkServer | None:
     """A prefork server that may fork a rank with ``env`` (started with ``env`` if none may yet), or None
     where ranks must start fresh: a GPU machine (no fork after CUDA is initialised), ``MAX_SERVERS`` running
     already (a warning in pytest's summary: correct, but 5 s slower per rank), or
     ``WIKIPRETRAIN_TEST_PREFORK=0``."""
-    if os.environ.get("WIKIPRETRAIN_TEST_PREFORK", "1") == "0" or _failed:
+    if _failed:
         return None
     _servers[:] = [s for s in _servers if s.alive()]  # one that died (killed, out of memory) is replaced
     for server in _servers:
         if server.takes(env):
             return server
-    import torch
-
-    if torch.cuda.is_available():
+    if not _may_fork():
         return None
     if len(_servers) == MAX_SERVERS:
         warnings.warn(f"prefork: {MAX_SERVERS} servers running; a rank starts as a fresh interpreter", stacklevel=3)
@@ -314,11 +322,9 @@ def run_in_ranks(fn, args: tuple, nprocs: int, timeout: float = 300) -> None:
     it imports; a process must not fork after initialising CUDA) and ``WIKIPRETRAIN_TEST_PREFORK`` is not 0.
     The tests that use it build their own gloo process group and touch nothing of pytest's. A rank that fails
     raises here, as with ``spawn``; ranks still running after ``timeout`` are killed and the test fails."""
-    import torch
     import torch.multiprocessing as mp
 
-    fresh = torch.cuda.is_available() or os.environ.get("WIKIPRETRAIN_TEST_PREFORK", "1") == "0"
-    if fresh:
+    if not _may_fork():
         ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
     else:
         ctx = mp.start_processes(_one_thread, args=(fn, *args), nprocs=nprocs, join=False, start_method="fork")

@@ -165,6 +165,11 @@ def test_peer_lost_reads_gloo_and_nccl_errors(tmp_path):
     nccl_abort = RuntimeError("NCCL communicator was aborted on rank 1. Original reason for failure was: ...")
     watchdog = RuntimeError("[Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=9, ...)")
     gloo_reset = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+    # gloo: an op that times out closes its context's pairs; the next op on them raises this (reproduced with a
+    # 2-rank gloo group whose peer slept past the timeout)
+    closed = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:208] Application timeout caused pair closure"
+    )
     device = RuntimeError("CUDA error: an illegal memory access was encountered")
     assert peer_lost(gloo_reset) is None  # no process group yet: a launch problem, not a lost peer
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
@@ -172,6 +177,7 @@ def test_peer_lost_reads_gloo_and_nccl_errors(tmp_path):
         assert peer_lost(nccl_abort) == "another rank is hung or gone (NCCL aborted the communicator)"
         assert peer_lost(watchdog) == _TIMED_OUT
         assert peer_lost(gloo_reset) == "another rank is gone (its connection was reset)"
+        assert peer_lost(closed) == _TIMED_OUT
         assert peer_lost(device) is None
     finally:
         dist.destroy_process_group()

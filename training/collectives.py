@@ -120,6 +120,9 @@ _TIMED_OUT = "a collective timed out (deepspeed.timeout_s): another rank is hung
 _PEER_LOST = {
     "timed out": _TIMED_OUT,
     "collective operation timeout": _TIMED_OUT,  # NCCL's watchdog
+    # gloo: the op that timed out closes every pair of its context; the others (a second group's, the next one)
+    # get this instead of the timeout
+    "application timeout caused pair closure": _TIMED_OUT,
     # NCCL under TORCH_NCCL_ASYNC_ERROR_HANDLING=2 (engine.start): the watchdog aborted the communicators
     "was aborted": "another rank is hung or gone (NCCL aborted the communicator)",
     "connection reset by peer": "another rank is gone (its connection was reset)",
