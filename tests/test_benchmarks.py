@@ -7,6 +7,9 @@ arguments; the test parses the figures it printed. The helpers that a benchmark 
 the CPU-time column from ``bench_train_ours.py``), ``startup_floor.py`` under ``bench_startup.py`` (the floor
 column). Peers that are not installed (WikiExtractor, mwparserfromhell, mosaicml-streaming, NVIDIA's
 scripts) are left out by the benchmark itself, which says so; our side is checked either way.
+
+The toy runs are smoke tests, not measurements, so they run two at a time (``ARGS``, the ``bench``
+fixture): most of them keep one core busy, and this halves the module's time on the 2-core CI machine.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import math
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,6 +34,54 @@ HELPERS = {  # run by another benchmark, which the test checks
     "startup_floor.py": "bench_startup.py",
 }
 NUM = r"(\d+(?:,\d{3})*(?:\.\d+)?)"  # a printed figure: 12, 0.034, 13,307,392
+Bench = Callable[[str], tuple[str, Path]]  # the bench fixture: a test's key -> (stdout, work directory)
+# The shared shards and vocabulary, linked into each run's own work directory (runs and logs stay apart).
+SHARED = ("text", "vocab.txt", "bert128-p20")
+
+# Each test_bench_<key>'s benchmark and toy arguments, given the run's own work directory ``w``. The training
+# benchmarks start their MASTER_PORTs apart (``--port``), as two of them run at once.
+ARGS: dict[str, Callable[[Path], list[str]]] = {
+    "train": lambda w: [
+        *("bench_train.py", "--work", str(w), "--models", "bert-debug", "--port", "29850"),
+        *("--steps", "2", "--warmup", "1", "--repeats", "1", "--micro-batch", "2", "--global-batch", "4"),
+    ],
+    "train_tiny_rows": lambda w: (
+        ["bench_train.py", "--tiny", "--work", str(w), "--json", str(w / "r.json")] + ["--port", "29870"]
+    ),
+    "switch": lambda w: [
+        *("bench_switch.py", "--work", str(w), "--model", "bert-debug", "--seqs", "128:20", "--port", "29950"),
+        *("--steps", "2", "--warmup", "1", "--repeats", "1", "--micro-batch", "2", "--global-batch", "4"),
+    ],
+    "train_profile": lambda w: [
+        *("bench_train_profile.py", "--top", "5", "--", "model.name=bert-debug"),
+        *(f"data.train={w / 'bert128-p20'}", f"data.vocab={w / 'vocab.txt'}", "data.eval=null", "train.steps=3"),
+        *("train.global_batch=4", "train.micro_batch=2", "logging.warmup_steps=1", f"run.dir={w / 'run'}"),
+        *("checkpoint.every=0", "checkpoint.resume=never"),
+    ],
+    "checkpoint_stall": lambda w: [
+        *("bench_checkpoint_stall.py", "--work", str(w), "--model", "bert-debug", "--steps", "4", "--every", "2"),
+        *("--ranks", "1", "--global-batch", "4", "--micro-batch", "2"),
+    ],
+    "startup": lambda w: ["bench_startup.py", "--work", str(w), "--repeats", "1", "--ranks", "1", "--no-shm"],
+    "comm": lambda w: ["bench_comm.py", "--ranks", "2", "--sizes", "1K..4K", "--iters", "3"],
+    "lans": lambda w: [
+        *("bench_lans.py", "--params", "tiny", "--steps", "2", "--warmup", "1"),
+        *("--zero-model", "mixed", "--zero-steps", "1"),
+    ],
+    "build_memory": lambda w: ["bench_build_memory.py", "--models", "neox-debug:1"],
+    "loader": lambda w: [
+        *("bench_loader.py", "--tiny", "--world-sizes", "2", "--steps", "1", "--seconds", "0.5"),
+        *("--startup-shards", "8"),
+    ],
+    "bert_instances": lambda w: [
+        *("bench_bert_instances.py", "--copies", "1", "--dupe-factor", "1", "--skip-peer"),
+        *("--vocab", str(w / "vocab.txt")),
+    ],
+    "wiki": lambda w: (
+        ["bench_wiki.py", "--workers", "1", "--repeat", "1", "--rss-repeats", "1", "1"] + ["--workdir", str(w)]
+    ),
+    "neox_loss": lambda w: ["bench_neox_loss.py", "--tiny"],
+}
 
 
 def number(text: str) -> float:
@@ -59,12 +112,38 @@ def figures(pattern: str, out: str, count: int = 1) -> list[tuple[float, ...]]:
 @pytest.fixture(scope="module")
 def bench_data(tmp_path_factory) -> dict[str, Path]:
     """BERT shards (seq 128, max_pred 20, as the smoke recipe) and their vocabulary, built once by
-    ``bench_train.build_data`` in a work directory the training benchmarks share."""
+    ``bench_train.build_data`` in a work directory whose data the training benchmarks share."""
     from benchmarks.bench_train import build_data
 
     work = tmp_path_factory.mktemp("bench_work")
     args = argparse.Namespace(bert_seq=128, max_pred=20, gpt_seq=128, rebuild=False)
     return {"work": work, **build_data(work, args, kinds=("bert",))}
+
+
+@pytest.fixture(scope="module")
+def bench(request, bench_data: dict[str, Path], tmp_path_factory) -> Iterator[Bench]:
+    """``bench(key)``: the stdout of test_bench_<key>'s run and its work directory. Every selected test's run
+    starts with the first of them, two at a time, in the tests' order; a run that failed fails its test."""
+    selected = {item.name.removeprefix("test_bench_") for item in request.session.items if item.path == request.path}
+    runs: dict[str, tuple[Future[str], Path]] = {}
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench") as pool:
+        for key, args in ARGS.items():
+            if key not in selected:
+                continue
+            work = tmp_path_factory.mktemp(f"bench_{key}")
+            for name in SHARED:
+                (work / name).symlink_to(bench_data["work"] / name)
+            script, *rest = args(work)
+            runs[key] = (pool.submit(run_bench, script, *rest), work)
+
+        def result(key: str) -> tuple[str, Path]:
+            future, work = runs[key]
+            return future.result(), work
+
+        try:
+            yield result
+        finally:
+            pool.shutdown(cancel_futures=True)
 
 
 def test_every_benchmark_is_run_here() -> None:
@@ -73,27 +152,12 @@ def test_every_benchmark_is_run_here() -> None:
     scripts = {p.name for p in BENCH.glob("*.py")}
     assert scripts - tested - set(HELPERS) == set(), "benchmarks without a test in tests/test_benchmarks.py"
     assert set(HELPERS.values()) <= tested
+    assert {name[len("test_bench_") :] for name in globals() if name.startswith("test_bench_")} == set(ARGS)
 
 
 @pytest.mark.slow
-def test_bench_train(bench_data: dict[str, Path]) -> None:
-    out = run_bench(
-        "bench_train.py",
-        "--work",
-        str(bench_data["work"]),
-        "--models",
-        "bert-debug",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--repeats",
-        "1",
-        "--micro-batch",
-        "2",
-        "--global-batch",
-        "4",
-    )
+def test_bench_train(bench: Bench) -> None:
+    out, _ = bench("train")
     (row,) = figures(
         rf"^\| bert-debug \| 128 \| 2 x 2 \| {NUM} \(.*?\) \| {NUM} \(.*?\) \| {NUM}x \| {NUM} \(.*?\) \| "
         rf"{NUM} \(.*?\) \| {NUM}x \|",
@@ -105,13 +169,13 @@ def test_bench_train(bench_data: dict[str, Path]) -> None:
 
 
 @pytest.mark.slow
-def test_bench_train_tiny_rows(bench_data: dict[str, Path], tmp_path: Path) -> None:
+def test_bench_train_tiny_rows(bench: Bench) -> None:
     """``--tiny``: the GPU rows (bert-large phase 1 and 2 with LAMB and LANS, neox-1.3b with AdamW, each beside
     the Trainer) at debug sizes on CPU: every run printed, and every figure of both sides recorded (unrounded,
     in the JSON) with the versions."""
     import json
 
-    out = run_bench("bench_train.py", "--tiny", "--work", str(bench_data["work"]), "--json", str(tmp_path / "r.json"))
+    out, work = bench("train_tiny_rows")
     printed = re.findall(r"^\| ([\w.-]+) \| \d+ \| (ours|peer) \| (\w+) \| 2 x 2 \| .* \|$", out, re.MULTILINE)
     expected = [
         ("bert-large-p1", "ours", "lamb"),
@@ -125,7 +189,7 @@ def test_bench_train_tiny_rows(bench_data: dict[str, Path], tmp_path: Path) -> N
     ]
     assert printed == expected, out
     assert len(re.findall(r"^[\w.-]+: ours / Trainer at micro-batch 2: .*\d\.\d\dx", out, re.MULTILINE)) == 3
-    saved = json.loads((tmp_path / "r.json").read_text())
+    saved = json.loads((work / "r.json").read_text())
     assert saved["versions"]["torch"] and saved["versions"]["deepspeed"] and saved["versions"]["device"] == "cpu"
     runs = [(name, r) for name, row in saved["rows"].items() for r in row["runs"]]
     assert [(name, r["side"], r["optimizer"]) for name, r in runs] == expected
@@ -144,14 +208,10 @@ def test_bench_train_tiny_rows(bench_data: dict[str, Path], tmp_path: Path) -> N
 
 
 @pytest.mark.slow
-def test_bench_switch(bench_data: dict[str, Path]) -> None:
+def test_bench_switch(bench: Bench) -> None:
     """model.unpad on and off: both sides ran and reported the padding of what they read and their first step;
     the ratios are the medians' quotients."""
-    out = run_bench(
-        "bench_switch.py",
-        *("--work", str(bench_data["work"]), "--model", "bert-debug", "--seqs", "128:20"),
-        *("--steps", "2", "--warmup", "1", "--repeats", "1", "--micro-batch", "2", "--global-batch", "4"),
-    )
+    out, _ = bench("switch")
     (row,) = figures(
         rf"^\| 128 \| 20 \| {NUM}% \| {NUM} \| {NUM} \| {NUM}x \| {NUM} \| {NUM} \| {NUM}x \| {NUM} \| {NUM} \| "
         rf"{NUM}x \|",
@@ -164,25 +224,8 @@ def test_bench_switch(bench_data: dict[str, Path]) -> None:
 
 
 @pytest.mark.slow
-def test_bench_train_profile(bench_data: dict[str, Path]) -> None:
-    run_dir = bench_data["work"] / "runs" / "profile"
-    out = run_bench(
-        "bench_train_profile.py",
-        "--top",
-        "5",
-        "--",
-        "model.name=bert-debug",
-        f"data.train={bench_data['bert']}",
-        f"data.vocab={bench_data['vocab']}",
-        "data.eval=null",
-        "train.steps=3",
-        "train.global_batch=4",
-        "train.micro_batch=2",
-        "logging.warmup_steps=1",
-        f"run.dir={run_dir}",
-        "checkpoint.every=0",
-        "checkpoint.resume=never",
-    )
+def test_bench_train_profile(bench: Bench) -> None:
+    out, _ = bench("train_profile")
     assert "bert-debug: 2 profiled optimizer steps" in out
     for phase in (
         "train_step \\(total\\)",
@@ -196,24 +239,8 @@ def test_bench_train_profile(bench_data: dict[str, Path]) -> None:
 
 
 @pytest.mark.slow
-def test_bench_checkpoint_stall(bench_data: dict[str, Path]) -> None:
-    out = run_bench(
-        "bench_checkpoint_stall.py",
-        "--work",
-        str(bench_data["work"]),
-        "--model",
-        "bert-debug",
-        "--steps",
-        "4",
-        "--every",
-        "2",
-        "--ranks",
-        "1",
-        "--global-batch",
-        "4",
-        "--micro-batch",
-        "2",
-    )
+def test_bench_checkpoint_stall(bench: Bench) -> None:
+    out, _ = bench("checkpoint_stall")
     for side in (r"sync \(DeepSpeed save_checkpoint\)", r"async \(ours\)"):
         ((saves, stall, *_),) = figures(rf"^{side} +{NUM} +{NUM} ", out)
         assert saves == 1 and stall > 0
@@ -222,36 +249,24 @@ def test_bench_checkpoint_stall(bench_data: dict[str, Path]) -> None:
 
 
 @pytest.mark.slow
-def test_bench_startup(bench_data: dict[str, Path]) -> None:
-    out = run_bench("bench_startup.py", "--work", str(bench_data["work"]), "--repeats", "1", "--ranks", "1", "--no-shm")
+def test_bench_startup(bench: Bench) -> None:
+    out, _ = bench("startup")
     for what in ("launch -> exit", "process -> first step"):
         ((ours, floor, ratio),) = figures(rf"^\| {what} \| {NUM} s \| {NUM} s \| {NUM}x \|$", out)
         assert ours > 0 and floor > 0 and ratio > 0  # floor: startup_floor.py
 
 
 @pytest.mark.slow
-def test_bench_comm() -> None:
-    out = run_bench("bench_comm.py", "--ranks", "2", "--sizes", "1K..4K", "--iters", "3")
+def test_bench_comm(bench: Bench) -> None:
+    out, _ = bench("comm")
     assert out.startswith("2 ranks, backend gloo")
     rows = figures(rf"^(?:all_reduce|all_gather|reduce_scatter) +\d+K +{NUM} +{NUM} +{NUM}$", out, count=6)
     assert all(ours > 0 and peer > 0 for ours, peer, _ in rows)
 
 
 @pytest.mark.slow
-def test_bench_lans() -> None:
-    out = run_bench(
-        "bench_lans.py",
-        "--params",
-        "tiny",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--zero-model",
-        "mixed",
-        "--zero-steps",
-        "1",
-    )
+def test_bench_lans(bench: Bench) -> None:
+    out, _ = bench("lans")
     for name in ("torch AdamW", "LANS cpu", "LANS fused", "LANS foreach", "naive per-tensor LANS"):
         ((median, *_),) = figures(rf"^{name} .*? {NUM} +{NUM} +{NUM} +{NUM}$", out)
         assert median > 0
@@ -261,8 +276,8 @@ def test_bench_lans() -> None:
 
 
 @pytest.mark.slow
-def test_bench_build_memory() -> None:
-    out = run_bench("bench_build_memory.py", "--models", "neox-debug:1")
+def test_bench_build_memory(bench: Bench) -> None:
+    out, _ = bench("build_memory")
     for side in ("full", "ours", "hf"):
         ((ranks, peak, before, build_s, held),) = figures(
             rf"^neox-debug +{NUM} {side} +{NUM} +{NUM} +{NUM} +{NUM}$", out
@@ -271,10 +286,8 @@ def test_bench_build_memory() -> None:
 
 
 @pytest.mark.slow
-def test_bench_loader() -> None:
-    out = run_bench(
-        "bench_loader.py", "--tiny", "--world-sizes", "2", "--steps", "1", "--seconds", "0.5", "--startup-shards", "8"
-    )
+def test_bench_loader(bench: Bench) -> None:
+    out, _ = bench("loader")
     ((ranks, accum, worst, mean, per_s, startup, rss),) = figures(
         rf"^ +{NUM} +{NUM} ours +{NUM} +{NUM} +{NUM} +{NUM} +{NUM} ", out
     )
@@ -284,27 +297,16 @@ def test_bench_loader() -> None:
 
 
 @pytest.mark.slow
-def test_bench_bert_instances(bench_data: dict[str, Path]) -> None:
-    out = run_bench(
-        "bench_bert_instances.py",
-        "--copies",
-        "1",
-        "--dupe-factor",
-        "1",
-        "--skip-peer",
-        "--vocab",
-        str(bench_data["vocab"]),
-    )
+def test_bench_bert_instances(bench: Bench) -> None:
+    out, _ = bench("bert_instances")
     rows = figures(rf"^1 copy +data bert --workers [12] +{NUM} +{NUM} +{NUM} +{NUM} +{NUM} ", out, count=2)
     assert all(inst > 0 and tokens > 0 and per_s > 0 for inst, tokens, _, per_s, _ in rows)
     assert rows[0][:2] == rows[1][:2]  # the same instances with 1 and 2 workers
 
 
 @pytest.mark.slow
-def test_bench_wiki(tmp_path: Path) -> None:
-    out = run_bench(
-        "bench_wiki.py", "--workers", "1", "--repeat", "1", "--rss-repeats", "1", "1", "--workdir", str(tmp_path)
-    )
+def test_bench_wiki(bench: Bench) -> None:
+    out, _ = bench("wiki")
     ((workers, wall, cpu, articles, *_),) = figures(
         rf"^\| ours \(data.wiki\) \| {NUM} \| {NUM} \| {NUM} \| {NUM} \|", out
     )
@@ -315,8 +317,8 @@ def test_bench_wiki(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_bench_neox_loss() -> None:
-    out = run_bench("bench_neox_loss.py", "--tiny")
+def test_bench_neox_loss(bench: Bench) -> None:
+    out, _ = bench("neox_loss")
     for side in ("ours", "peer"):
         # model MiB, added MiB, best s, median s, cold added MiB, cold s, loss
         ((model_mib, added_mib, step_s, *_, loss),) = figures(rf"^{side}" + rf" +{NUM}" * 7 + "$", out)
