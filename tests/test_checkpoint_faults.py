@@ -1,8 +1,8 @@
 """Resume decisions over damaged or foreign checkpoints, on a real 2-rank DeepSpeed checkpoint directory.
 
 ``training.resume.find_resume`` and ``check_shared`` run here in the test process as rank 0 of one (the collectives
-are then trivial); the launcher-level behaviour (every rank exits with the same line) is in test_train.py and
-test_train_twonode.py.
+are then trivial); the launcher-level behaviour (every rank exits with the same line) is in test_train.py,
+test_train_faults.py and test_train_twonode.py.
 """
 
 from __future__ import annotations

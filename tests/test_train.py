@@ -1,4 +1,5 @@
-"""train.py end to end with real DeepSpeed on 2 CPU ranks: exact resume, SIGTERM, refusals, export, wandb."""
+"""train.py end to end with real DeepSpeed on 2 CPU ranks: exact resume, refusals, a full disk, export, wandb, sweeps
+(the jobs under faults, SIGTERM among them: test_train_faults.py)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,15 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from data.loader import PretrainingLoader
-from tests.conftest import REPO, launcher, run_env, run_python, start_ranks
+from tests.conftest import REPO, run_env, run_python, start_ranks
 from training import events
 
 pytestmark = pytest.mark.slow
@@ -305,132 +303,6 @@ def test_half_written_and_damaged_checkpoints(bert_data, straight_run, tmp_path)
     assert losses(run_dir)[5] == losses(straight_run)[5]  # step 5 redone from step 4's state, exactly
 
 
-def launcher_and_ranks(proc: subprocess.Popen) -> tuple[list[psutil.Process], list[psutil.Process]]:
-    """The ``deepspeed.launcher.launch`` process under a ``deepspeed`` command, and its 2 train.py ranks."""
-    launchers = [
-        p
-        for p in psutil.Process(proc.pid).children(recursive=True)
-        if "deepspeed.launcher.launch" in " ".join(p.cmdline())
-    ]
-    ranks = [p for p in launchers[0].children() if "train.py" in " ".join(p.cmdline())]
-    assert len(ranks) == 2, ranks
-    return launchers, ranks
-
-
-def signal_running_job(bert_data, run_dir: Path, port: int, target: str, *extra: str) -> tuple[int, str]:
-    """Start a long 2-rank job, wait for its second step, SIGTERM ``target``: "rank1", "launcher"
-    (``deepspeed.launcher.launch``), "runner" (the ``deepspeed`` command alone) or "group" (the job's whole
-    process group, as ``scancel`` and a terminal's job control do)."""
-    cmd = [*launcher(2, port=port), "train.py", *common(bert_data, run_dir, "train.steps=10000", *extra)]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=run_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # the job's own process group
-    )
-    try:
-        deadline = time.time() + 180
-        while time.time() < deadline:
-            started = (run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2
-            if started and (not extra or (run_dir / "checkpoints" / "latest").exists()):
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail("training did not start")
-        launchers, ranks = launcher_and_ranks(proc)
-        if target == "group":
-            os.killpg(proc.pid, signal.SIGTERM)
-        else:
-            victim = {"rank1": ranks[1], "launcher": launchers[0], "runner": psutil.Process(proc.pid)}[target]
-            victim.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=120)  # until every process holding the pipe has ended
-        psutil.wait_procs(ranks + launchers, timeout=60)
-        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), "ranks left running"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, output
-
-
-@pytest.fixture(scope="module")
-def long_run(bert_data, tmp_path_factory):
-    """The uninterrupted losses of the signalled jobs' configuration (train.steps=10000) up to a step: one
-    run to step 16 at least, run again further only when a job was stopped later than that."""
-    have: dict[int, float] = {}
-
-    def upto(step: int) -> dict[int, float]:
-        if step > max(have, default=0):
-            run_dir = tmp_path_factory.mktemp("long") / "run"
-            stop = max(step, 16)
-            res = deepspeed(common(bert_data, run_dir, "train.steps=10000", f"train.stop_at_step={stop}"))
-            assert res.returncode == 3, res.stderr[-3000:]
-            have.clear()
-            have.update(losses(run_dir))
-        return have
-
-    return upto
-
-
-def assert_resume_repeats(bert_data, run_dir: Path, long_run) -> None:
-    """Resume a signalled job for two steps: its losses are those of the uninterrupted run, exactly."""
-    stopped = max(losses(run_dir))
-    assert f"step{stopped:08d}" == (run_dir / "checkpoints" / "latest").read_text().strip()
-    want = long_run(stopped + 2)
-    res = deepspeed(common(bert_data, run_dir, "train.steps=10000", f"train.stop_at_step={stopped + 2}"))
-    assert res.returncode == 3, res.stderr[-3000:]
-    got = losses(run_dir)
-    assert [got[s] for s in (stopped + 1, stopped + 2)] == [want[s] for s in (stopped + 1, stopped + 2)]
-
-
-def test_sigterm_to_the_launcher_saves(bert_data, long_run, tmp_path):
-    """The launcher passes SIGTERM to its whole process tree, DataLoader workers included: the workers outlive
-    it, the ranks finish the step and save (before, a worker died and the job ended with no checkpoint). The
-    resumed job repeats the uninterrupted losses."""
-    run_dir = tmp_path / "run"
-    _, output = signal_running_job(bert_data, run_dir, 29700 + os.getpid() % 200, "launcher")
-    assert "SIGTERM: stopping after step" in output and "DataLoader worker" not in output, output[-3000:]
-    assert_resume_repeats(bert_data, run_dir, long_run)
-
-
-def test_sigterm_to_the_process_group_saves(bert_data, long_run, tmp_path):
-    """scancel's way: SIGTERM to every process of the job at once (runner, launcher, ranks, DataLoader
-    workers). The workers outlive it, the ranks save and exit 3; the resumed job repeats the uninterrupted
-    losses."""
-    run_dir = tmp_path / "run"
-    _, output = signal_running_job(bert_data, run_dir, 29300 + os.getpid() % 90, "group")
-    assert "saving, exit code 3" in output and "DataLoader worker" not in output, output[-3000:]
-    assert_resume_repeats(bert_data, run_dir, long_run)
-
-
-def test_sigterm_to_the_deepspeed_command_alone_saves(bert_data, long_run, tmp_path):
-    """The ``deepspeed`` command passes no signal on when killed; its ranks notice their launcher is gone,
-    save and exit with code 3 instead of training on as orphans. The resumed job repeats the uninterrupted
-    losses."""
-    run_dir = tmp_path / "run"
-    rc, output = signal_running_job(bert_data, run_dir, 29900 + os.getpid() % 90, "runner")
-    assert rc == -signal.SIGTERM
-    assert "is gone); saving, exit code 3" in output, output[-3000:]
-    assert "exits with return code = 3" in output, output[-3000:]  # deepspeed.launcher.launch's report
-    assert_resume_repeats(bert_data, run_dir, long_run)
-
-
-def test_sigterm_without_time_to_save_keeps_the_last_checkpoint(bert_data, tmp_path):
-    """With checkpoint.preempt_grace_s shorter than a save, a SIGTERM ends the job (exit 3) without a new
-    checkpoint, says so, and the last periodic checkpoint is the resume point."""
-    run_dir = tmp_path / "run"
-    grace = ("checkpoint.every=2", "checkpoint.preempt_grace_s=0.001")
-    rc, output = signal_running_job(bert_data, run_dir, 29400 + os.getpid() % 90, "rank1", *grace)
-    assert rc == 3, output[-3000:]
-    stopped = max(losses(run_dir))
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    assert int(latest.removeprefix("step")) < stopped
-    assert f"SIGTERM: no checkpoint at step {stopped}: the last save took" in output
-    assert f"the next start resumes from {latest}" in output
-
-
 @contextlib.contextmanager
 def tmpfs(where: Path, options: str):
     """A tmpfs mounted at ``where`` (created) for the block, unmounted after; skips unless root."""
@@ -470,7 +342,6 @@ def test_async_save_commits_and_resumes_exactly(bert_data, straight_run, tmp_pat
     """checkpoint.async_save: the checkpoints of steps 2, 4 and 6 are written while training goes on, each
     committed with every file of both ranks, and a resume from step 6 repeats the uninterrupted run's losses
     exactly."""
-    from training import events
     from training.checkpoint import complete_tags, read_latest, tag_problem
 
     run_dir = tmp_path / "run"
@@ -544,176 +415,6 @@ def test_read_only_directories_are_refused_at_start(bert_data, tmp_path, which):
         assert want in errors[0], errors
         assert list(ro.iterdir()) == []
         print(f"{which} read-only: refused in {took:.1f} s (launch included)")
-
-
-def test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit(bert_data, tmp_path):
-    """SIGKILL one rank while the job saves at every step: every process of the job is gone within 30 s, the
-    checkpoint ``latest`` names is complete and whole, and a restart resumes from it."""
-    from training.checkpoint import read_latest, tag_problem
-
-    run_dir = tmp_path / "run"
-    args = common(bert_data, run_dir, "train.steps=10000", "checkpoint.every=1", "train.eval_every=0")
-    cmd = [*launcher(2, port=29100 + os.getpid() % 100), "train.py", *args]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=run_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    family: list = []
-    try:
-        deadline = time.time() + 180
-        while not ((run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 3):
-            assert time.time() < deadline and proc.poll() is None, "training did not start"
-            time.sleep(0.2)
-        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-        launch = [p for p in family if "deepspeed.launcher.launch" in " ".join(p.cmdline())]
-        ranks = [p for p in launch[0].children() if "train.py" in " ".join(p.cmdline())]
-        assert len(ranks) == 2, ranks
-        t0 = time.time()
-        ranks[1].kill()
-        gone, alive = psutil.wait_procs(family, timeout=60)
-        took = time.time() - t0
-        output, _ = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert not alive and took < 30, f"{len(alive)} processes left after {took:.0f} s\n{output[-3000:]}"
-    print(f"every process of the job exited {took:.1f} s after the kill")
-    errors = [ln for ln in output.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "error: rank 0: another rank is gone" in errors[0], output[-3000:]
-    assert "Traceback" not in output
-    ckpt = run_dir / "checkpoints"
-    tag = read_latest(ckpt)
-    assert tag is not None and tag_problem(ckpt, tag) is None, tag
-    step = int(tag.removeprefix("step"))
-    res = deepspeed(common(bert_data, run_dir, "train.steps=10000", f"train.stop_at_step={step + 1}"))
-    assert res.returncode == 3, res.stderr[-3000:]
-    assert f"resumed from {ckpt / tag} at step {step}" in res.stderr
-
-
-def test_a_hung_rank_ends_the_job_within_the_timeout(bert_data, tmp_path):
-    """SIGSTOP one rank mid-run with deepspeed.timeout_s=12: the other rank leaves its collective (ZeRO-2's
-    groups included) within the timeout, and the launcher ends the job."""
-    run_dir = tmp_path / "run"
-    cmd = [
-        *launcher(2, port=29800 + os.getpid() % 100),
-        "train.py",
-        *common(bert_data, run_dir, "train.steps=10000", "deepspeed.timeout_s=12"),
-    ]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ranks: list = []
-    try:
-        deadline = time.time() + 180
-        while not ((run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= 2):
-            assert time.time() < deadline and proc.poll() is None, "training did not start"
-            time.sleep(0.5)
-        _, ranks = launcher_and_ranks(proc)
-        t0 = time.time()
-        ranks[1].send_signal(signal.SIGSTOP)
-        psutil.wait_procs(ranks[:1], timeout=90)
-        rank0_s = time.time() - t0  # the rank still answering leaves its collective
-        ranks[1].kill()  # rather than wait out the launcher's 30 s grace before its own SIGKILL
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        for p in ranks:
-            with contextlib.suppress(psutil.Error):
-                p.send_signal(signal.SIGCONT)
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    assert rank0_s < 12 + 15, f"rank 0 left {rank0_s:.0f} s after rank 1 hung (timeout 12 s)\n{output[-3000:]}"
-    errors = [ln for ln in output.splitlines() if ln.startswith("error:")]
-    want = "error: rank 0: a collective timed out (deepspeed.timeout_s)"
-    assert len(errors) == 1 and want in errors[0], f"{errors}\n{output[-3000:]}"
-    assert "Traceback" not in output
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), "ranks left running"
-
-
-def test_a_stalled_data_loader_ends_its_rank_with_one_line(bert_data, tmp_path):
-    """SIGSTOP rank 1's DataLoader worker mid-run (a worker stuck on a stalled filesystem): once its queued
-    batches are used, rank 1 waits for data; its watchdog ends it within deepspeed.timeout_s with one line
-    naming its data loader and the node, and records the failure."""
-    run_dir, timeout_s = tmp_path / "run", 12
-    cmd = [
-        *launcher(2, port=29700 + os.getpid() % 100),
-        "train.py",
-        *common(
-            bert_data,
-            run_dir,
-            "train.steps=100000",
-            f"deepspeed.timeout_s={timeout_s}",
-            "data.num_workers=1",
-            "data.prefetch=1",  # one transfer (512 rows) queued ahead: the stall shows a few dozen steps later
-            "train.eval_every=0",
-            "checkpoint.every=0",
-        ),
-    ]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    workers: list = []
-    try:
-        deadline = time.time() + 180
-        while not ((run_dir / "metrics.jsonl").exists() and losses(run_dir)):
-            assert time.time() < deadline and proc.poll() is None, "training did not start"
-            time.sleep(0.2)
-        _, ranks = launcher_and_ranks(proc)
-        rank1 = next(r for r in ranks if "--local_rank=1" in r.cmdline())
-        workers = rank1.children()
-        assert workers, "rank 1 has no DataLoader worker"
-        for w in workers:
-            w.send_signal(signal.SIGSTOP)
-        psutil.wait_procs([rank1], timeout=300)  # its queued batches first (a few hundred rows), then the bound
-        rank1_ended = time.time()
-        output, _ = proc.communicate(timeout=120)
-        job_ended = time.time()
-    finally:
-        for w in workers:
-            with contextlib.suppress(psutil.Error):
-                w.kill()
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    bound = 0.8 * timeout_s  # DataWatchdog.STALL_SHARE: before the peers' collectives time out
-    line = f"error: rank 1 on {socket.gethostname()}: its data loader gave no batch in {bound:g} s"
-    mine = [ln for ln in output.splitlines() if ln.startswith(line)]
-    assert len(mine) == 1 and "data.num_workers=1" in mine[0], output[-3000:]
-    assert "Traceback" not in output, output[-3000:]
-    failures = [e for e in events.read(run_dir) if e["event"] == "failure" and e["rank"] == 1]
-    assert len(failures) == 1 and failures[0]["why"] == "data loader stalled", failures
-    # the rank waited the bound (and a watchdog poll) for its next batch, then ended at once
-    assert bound <= failures[0]["waited_s"] < bound + 5, failures
-    assert rank1_ended - failures[0]["time"] < 10, rank1_ended - failures[0]["time"]
-    # its stopped worker was killed with it: the launcher's 30 s grace for a process tree that does not end on
-    # SIGTERM is not spent
-    assert job_ended - rank1_ended < 25, f"the job ended {job_ended - rank1_ended:.0f} s after rank 1"
-
-
-def test_sigterm_saves_and_exits_with_distinct_code(bert_data, long_run, tmp_path):
-    run_dir = tmp_path / "run"
-    # one rank is enough: the ranks agree to stop together
-    rc, output = signal_running_job(bert_data, run_dir, 29600 + os.getpid() % 100, "rank1")
-    assert rc == 3, output[-3000:]
-    assert_resume_repeats(bert_data, run_dir, long_run)
-    stopped_at = max(losses(run_dir))
-    res = deepspeed(common(bert_data, run_dir, f"train.steps={stopped_at + 2}"))
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert sorted(losses(run_dir))[-2:] == [stopped_at + 1, stopped_at + 2]
-    # train.steps changed on resume: the first resumed step already runs at the new schedule's rate
-    from training.schedules import warmup_constant_decay
-
-    rows = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "lr" in rec:
-            rows[rec["step"]] = rec  # the latest attempt's row for each step
-    total = stopped_at + 2
-    for step in (stopped_at + 1, stopped_at + 2):
-        want = 2e-3 * warmup_constant_decay(step, total_steps=total, warmup=0.05, constant=0.25)
-        assert rows[step]["lr"] == pytest.approx(want), step
-    assert rows[stopped_at + 1]["attempt"] == 3
 
 
 def test_wandb_offline(bert_data, tmp_path):
