@@ -396,6 +396,49 @@ def wiki_vocab(tmp_path_factory, wiki_text_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bert_data(tmp_path_factory, wiki_text_dir, wiki_vocab) -> dict[str, Path]:
+    """BERT seq-128 shards of the enwiki sample: the first text shards for training, the last for eval."""
+    root = tmp_path_factory.mktemp("bertdata")
+    shards = sorted(Path(wiki_text_dir).glob("*.txt"))
+    assert len(shards) >= 2
+    train_text, eval_text = root / "text-train", root / "text-eval"
+    train_text.mkdir()
+    eval_text.mkdir()
+    for s in shards[:-1]:
+        (train_text / s.name).write_bytes(s.read_bytes())
+    (eval_text / shards[-1].name).write_bytes(shards[-1].read_bytes())
+    out = {"vocab": Path(wiki_vocab)}
+    for name, text, dupe in (("train", train_text, "2"), ("eval", eval_text, "1")):
+        res = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "data",
+                "bert",
+                "--text",
+                str(text),
+                "--vocab",
+                str(wiki_vocab),
+                "--out",
+                str(root / name),
+                "--seq-len",
+                "128",
+                "--max-pred",
+                "20",
+                "--dupe-factor",
+                dupe,
+            ],
+            cwd=REPO,
+            env=run_env(),
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode == 0, res.stderr
+        out[name] = root / name
+    return out
+
+
+@pytest.fixture(scope="session")
 def bpe(wiki_text_dir: Path, tmp_path_factory) -> Path:
     """A 2000-entry byte-level BPE ``tokenizer.json`` with ``<|endoftext|>``, built on the sample."""
     from data.vocab import train_bpe

@@ -9,7 +9,7 @@ column). Peers that are not installed (WikiExtractor, mwparserfromhell, mosaicml
 scripts) are left out by the benchmark itself, which says so; our side is checked either way.
 
 The toy runs are smoke tests, not measurements, so they run two at a time (``ARGS``, the ``bench``
-fixture): most of them keep one core busy, and this halves the module's time on the 2-core CI machine.
+fixture): alone, most of them leave one of the 2 CI cores idle; together the module takes 154 s, not 216 s.
 """
 
 from __future__ import annotations
@@ -35,11 +35,10 @@ HELPERS = {  # run by another benchmark, which the test checks
 }
 NUM = r"(\d+(?:,\d{3})*(?:\.\d+)?)"  # a printed figure: 12, 0.034, 13,307,392
 Bench = Callable[[str], tuple[str, Path]]  # the bench fixture: a test's key -> (stdout, work directory)
-# The shared shards and vocabulary, linked into each run's own work directory (runs and logs stay apart).
-SHARED = ("text", "vocab.txt", "bert128-p20")
 
-# Each test_bench_<key>'s benchmark and toy arguments, given the run's own work directory ``w``. The training
-# benchmarks start their MASTER_PORTs apart (``--port``), as two of them run at once.
+# Each test_bench_<key>'s benchmark and toy arguments, given the run's own work directory ``w`` (runs and logs
+# apart; the shared text, vocabulary and shards linked in). The training benchmarks start their MASTER_PORTs
+# apart (``--port``), as two of them run at once.
 ARGS: dict[str, Callable[[Path], list[str]]] = {
     "train": lambda w: [
         *("bench_train.py", "--work", str(w), "--models", "bert-debug", "--port", "29850"),
@@ -123,27 +122,27 @@ def bench_data(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def bench(request, bench_data: dict[str, Path], tmp_path_factory) -> Iterator[Bench]:
     """``bench(key)``: the stdout of test_bench_<key>'s run and its work directory. Every selected test's run
-    starts with the first of them, two at a time, in the tests' order; a run that failed fails its test."""
+    starts with the first of them, two at a time, in ``ARGS``'s order; a run that failed fails its test."""
     selected = {item.name.removeprefix("test_bench_") for item in request.session.items if item.path == request.path}
     runs: dict[str, tuple[Future[str], Path]] = {}
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench") as pool:
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench")
+
+    def result(key: str) -> tuple[str, Path]:
+        future, work = runs[key]
+        return future.result(), work
+
+    try:
         for key, args in ARGS.items():
             if key not in selected:
                 continue
             work = tmp_path_factory.mktemp(f"bench_{key}")
-            for name in SHARED:
-                (work / name).symlink_to(bench_data["work"] / name)
+            for name in ("text", "vocab", "bert"):  # the shared data, under the names build_data looks for
+                (work / bench_data[name].name).symlink_to(bench_data[name])
             script, *rest = args(work)
             runs[key] = (pool.submit(run_bench, script, *rest), work)
-
-        def result(key: str) -> tuple[str, Path]:
-            future, work = runs[key]
-            return future.result(), work
-
-        try:
-            yield result
-        finally:
-            pool.shutdown(cancel_futures=True)
+        yield result
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def test_every_benchmark_is_run_here() -> None:

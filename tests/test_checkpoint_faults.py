@@ -19,7 +19,7 @@ import pytest
 from common.errors import UserError
 from common.net import free_port
 from tests.conftest import REPO, run_env
-from tests.test_train import bert_data, common, straight_run  # noqa: F401  (fixtures)
+from tests.test_train import common, straight_run  # noqa: F401  (straight_run: a fixture)
 from training import checkpoint
 from training.config import CheckpointSection
 from training.resume import ResumePoint, check_shared, find_resume
@@ -155,7 +155,7 @@ os.fsync, os.replace = fsync, replace
 """
 
 
-def test_every_file_and_directory_of_a_commit_is_fsynced(bert_data, tmp_path: Path) -> None:  # noqa: F811
+def test_every_file_and_directory_of_a_commit_is_fsynced(bert_data, tmp_path: Path) -> None:
     """A real single-process run with os.fsync and os.replace wrapped (recorded, then the real call): every
     file of a committed tag and its directory are fsynced before COMPLETE names them, and the checkpoint
     directory after ``latest`` is renamed into it."""

@@ -17,7 +17,6 @@ import pytest
 
 from common.net import free_port
 from tests.conftest import REPO, run_env
-from tests.test_train import bert_data  # noqa: F401  (session fixture)
 from training import events
 
 
@@ -91,7 +90,7 @@ def finish(proc: subprocess.Popen) -> tuple[str, list[str]]:
     return out, [ln for ln in out.splitlines() if ln.startswith(("error:", "launch elastic:"))]
 
 
-def test_elastic_job_ends_preempted_agent_killed_rank_aborted_budget_spent(bert_data, tmp_path):  # noqa: F811
+def test_elastic_job_ends_preempted_agent_killed_rank_aborted_budget_spent(bert_data, tmp_path):
     """Three jobs of one run (a start costs some 15 s): ways a job ends that the agent alone gets wrong."""
     run_dir, host = tmp_path / "run", socket.gethostname()
     # 1. The scheduler's SIGTERM reaches `launch elastic`: the agent stops the rank, which saves and exits 3,
@@ -197,7 +196,7 @@ def test_elastic_job_ends_preempted_agent_killed_rank_aborted_budget_spent(bert_
     assert g is not None and g["attempts"] == 4 and g["failures"][2]["why"] == aborted["why"]
 
 
-def test_global_batch_that_cannot_be_kept_is_refused_before_the_start(bert_data, tmp_path):  # noqa: F811
+def test_global_batch_that_cannot_be_kept_is_refused_before_the_start(bert_data, tmp_path):
     # 8 = 4 x 2 on 1 node; on 2 nodes 4 x 1 x 2 = 8 fits, on 3 it cannot: refused, nothing started or written
     r = subprocess.run(
         elastic(tmp_path / "run", bert_data, nodes="1:3"),
@@ -334,7 +333,7 @@ def test_events_file_round_trip_and_torn_line(tmp_path: Path) -> None:
     assert json.loads((tmp_path / events.EVENTS).read_text().splitlines()[0])["world_size"] == 1
 
 
-def test_bad_input_is_not_retried(bert_data, tmp_path):  # noqa: F811
+def test_bad_input_is_not_retried(bert_data, tmp_path):
     # the data directory is missing: every start would fail the same way, so the job ends at the first, exit 2
     argv = elastic(tmp_path / "run", bert_data, f"data.train={tmp_path / 'nope'}", restarts=3)
     r = subprocess.run(argv, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=180)
@@ -374,7 +373,7 @@ def test_checkpoint_every_bad_values(overrides: list[str], message: str) -> None
     assert message in str(e.value)
 
 
-def test_checkpoint_every_auto_saves_at_youngs_interval(bert_data, tmp_path):  # noqa: F811
+def test_checkpoint_every_auto_saves_at_youngs_interval(bert_data, tmp_path):
     run_dir = tmp_path / "run"
     data = bert_data
     argv = [

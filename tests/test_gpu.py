@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, run_env
-from tests.test_train import bert_data, common, deepspeed, gpt_data, losses  # noqa: F401 (fixtures)
+from tests.test_train import common, deepspeed, gpt_data, losses  # noqa: F401 (gpt_data: a fixture)
 from training import events
 
 pytestmark = [
@@ -51,7 +51,7 @@ def assert_mfu(s: dict) -> None:
 
 @pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("optimizer", ["lans", "adamw"])
-def test_bert_trains_on_one_gpu(bert_data, tmp_path, zero, optimizer):  # noqa: F811
+def test_bert_trains_on_one_gpu(bert_data, tmp_path, zero, optimizer):
     run_dir = tmp_path / "run"
     res = deepspeed(
         common(
@@ -73,7 +73,7 @@ def test_bert_trains_on_one_gpu(bert_data, tmp_path, zero, optimizer):  # noqa: 
     assert all(v == v for v in ls.values()) and ls[8] < ls[1]
 
 
-def test_lamb_activation_checkpointing_and_background_saves_on_one_gpu(bert_data, tmp_path):  # noqa: F811
+def test_lamb_activation_checkpointing_and_background_saves_on_one_gpu(bert_data, tmp_path):
     run_dir = tmp_path / "run"
     res = deepspeed(
         common(
@@ -126,7 +126,7 @@ def test_neox_trains_on_one_gpu(gpt_data, tmp_path):  # noqa: F811
     assert s["family"] == "neox" and s["steps"] == 8 and s["eval_perplexity"] < 4000
 
 
-def test_deterministic_resume_is_exact_on_gpu(bert_data, tmp_path):  # noqa: F811
+def test_deterministic_resume_is_exact_on_gpu(bert_data, tmp_path):
     det = (*NCCL, "train.deterministic=true", "deepspeed.zero_stage=2")
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     assert deepspeed(common(bert_data, straight, *det), ranks=1).returncode == 0
@@ -137,7 +137,7 @@ def test_deterministic_resume_is_exact_on_gpu(bert_data, tmp_path):  # noqa: F81
     assert losses(resumed) == losses(straight)  # bit for bit
 
 
-def test_export_from_a_gpu_run(bert_data, tmp_path):  # noqa: F811
+def test_export_from_a_gpu_run(bert_data, tmp_path):
     run_dir = tmp_path / "run"
     assert deepspeed(common(bert_data, run_dir, *NCCL), ranks=1).returncode == 0
     out = tmp_path / "hf"
@@ -204,7 +204,7 @@ def _fp32_vs_fp64_errors(batch: dict, device: str) -> tuple[float, float]:
     return error(run(device, torch.float32)), error(run("cpu", torch.float32))
 
 
-def test_fp32_on_the_gpu_is_as_accurate_as_fp32_on_the_cpu(bert_data):  # noqa: F811
+def test_fp32_on_the_gpu_is_as_accurate_as_fp32_on_the_cpu(bert_data):
     """With dropout 0 and TF32 off, the GPU's FP32 loss and gradients are no further from a float64 CPU run
     of the same samples than 2x the FP32 CPU run's distance."""
     from data.loader import PretrainingLoader
@@ -243,7 +243,7 @@ def test_lans_takes_its_intended_path_on_the_gpu():
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_the_loader_hands_out_pinned_batches_on_cuda(bert_data, workers):  # noqa: F811
+def test_the_loader_hands_out_pinned_batches_on_cuda(bert_data, workers):
     """pin_memory: the DataLoader's thread (or, without workers, the read) pins every device key, and the
     batches equal those of an unpinned loader."""
     from data.loader import PretrainingLoader
@@ -271,7 +271,7 @@ def test_the_loader_hands_out_pinned_batches_on_cuda(bert_data, workers):  # noq
             assert v.is_pinned() or k in HOST_KEYS, k
 
 
-def test_a_micro_batch_out_of_device_memory_is_one_line(bert_data, tmp_path):  # noqa: F811
+def test_a_micro_batch_out_of_device_memory_is_one_line(bert_data, tmp_path):
     """bert-large at micro-batch 4096 (about 390 GB of activations at seq 128: more than any one GPU): one line
     naming train.micro_batch, the peak memory and half the micro-batch, no traceback, exit 2, nothing saved."""
     run_dir = tmp_path / "run"
@@ -328,7 +328,7 @@ def test_lans_flat_partition_path_has_no_host_sync_on_the_gpu():
     torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
 
 
-def test_unpadded_bert_step_has_no_host_sync_on_the_gpu(bert_data):  # noqa: F811
+def test_unpadded_bert_step_has_no_host_sync_on_the_gpu(bert_data):
     """BERT on its real tokens with the accelerators' attention kernel (``padded``), forward and backward in
     BF16 autocast, fed the loader's unpadding keys (their host copies: exact kernel sizes): no host sync in a
     step (CUDA's sync-debug warnings counted by common.syncs)."""

@@ -3,9 +3,10 @@ of a job (it saves, exits with code 3 and resumes exactly), kill -9 of a rank, a
 loader.
 
 Each test's job (``JOBS``) mostly waits: on the launcher's interpreters starting, on a timeout. So the jobs of
-the selected tests start with the module's first test, two at a time (the ``jobs`` fixture), each on a free
-port; each test then checks its job's record and runs what follows (a resume) itself. The timing bounds below
-hold with a second job beside: they leave seconds of slack, and these jobs spend most of their time idle.
+the selected tests start with the module's first test, two at a time (the ``jobs`` fixture), each on a port of
+its own; each test then checks its job's record and runs what follows (a resume) itself. The timed jobs (a hung
+rank, a stalled loader, kill -9) start first and their tests come first, so that only the job beside runs
+with them: their bounds leave seconds of slack for it.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ from typing import Any
 import psutil
 import pytest
 
-from common.net import free_port
 from tests.conftest import REPO, launcher, run_env
-from tests.test_train import bert_data, common, deepspeed, losses  # noqa: F401  (session fixture and helpers)
+from tests.test_train import common, deepspeed, losses
 from training import events
 
 pytestmark = pytest.mark.slow
@@ -46,19 +46,30 @@ def launcher_and_ranks(proc: subprocess.Popen) -> tuple[list[psutil.Process], li
     return launchers, ranks
 
 
-def start_job(data, run_dir: Path, *extra: str, session: bool = False) -> subprocess.Popen:
-    """A long 2-rank job (``train.steps=10000`` unless ``extra`` says otherwise) through the real launcher, its
-    output and errors in one pipe; ``session``: in a process group of its own."""
-    cmd = [*launcher(2, port=free_port()), "train.py", *common(data, run_dir, "train.steps=10000", *extra)]
-    return subprocess.Popen(
+_started: list[subprocess.Popen] = []  # every job's deepspeed command: the fixture's teardown ends what is left
+
+
+def start_job(data, run_dir: Path, port: int, *extra: str) -> subprocess.Popen:
+    """A long 2-rank job (``train.steps=10000`` unless ``extra`` says otherwise) through the real launcher on
+    MASTER_PORT ``port``, in a process group of its own, its output and errors in one pipe."""
+    cmd = [*launcher(2, port=port), "train.py", *common(data, run_dir, "train.steps=10000", *extra)]
+    proc = subprocess.Popen(
         cmd,
         cwd=REPO,
         env=run_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        start_new_session=session,
+        start_new_session=True,
     )
+    _started.append(proc)
+    return proc
+
+
+def end_job(proc: subprocess.Popen) -> None:
+    """SIGKILL whatever is left of a job's process group (a failed check leaves its launcher and ranks)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, also: Callable[[], bool] | None = None) -> None:
@@ -69,11 +80,11 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, also: Call
         time.sleep(0.2)
 
 
-def signal_running_job(data, run_dir: Path, target: str, *extra: str) -> tuple[int, str]:
+def signal_running_job(data, run_dir: Path, port: int, target: str, *extra: str) -> tuple[int, str]:
     """Start a long 2-rank job, wait for its second step, SIGTERM ``target``: "rank1", "launcher"
     (``deepspeed.launcher.launch``), "runner" (the ``deepspeed`` command alone) or "group" (the job's whole
     process group, as ``scancel`` and a terminal's job control do). Its exit code and output."""
-    proc = start_job(data, run_dir, *extra, session=True)  # the job's own process group
+    proc = start_job(data, run_dir, port, *extra)
     try:
         wait_for_steps(proc, run_dir, 2, (lambda: (run_dir / "checkpoints" / "latest").exists()) if extra else None)
         launchers, ranks = launcher_and_ranks(proc)
@@ -86,8 +97,7 @@ def signal_running_job(data, run_dir: Path, target: str, *extra: str) -> tuple[i
         psutil.wait_procs(ranks + launchers, timeout=60)
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks), "ranks left running"
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        end_job(proc)
     return proc.returncode, output
 
 
@@ -100,9 +110,9 @@ class Killed:
     output: str
 
 
-def kill_9_job(data, run_dir: Path) -> Killed:
+def kill_9_job(data, run_dir: Path, port: int) -> Killed:
     """SIGKILL rank 1 of a job that saves at every step, once it has logged 3 steps."""
-    proc = start_job(data, run_dir, "checkpoint.every=1", "train.eval_every=0", session=True)
+    proc = start_job(data, run_dir, port, "checkpoint.every=1", "train.eval_every=0")
     try:
         wait_for_steps(proc, run_dir, 3)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
@@ -113,8 +123,7 @@ def kill_9_job(data, run_dir: Path) -> Killed:
         took = time.time() - t0
         output, _ = proc.communicate(timeout=30)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        end_job(proc)
     return Killed(alive, took, output)
 
 
@@ -129,9 +138,9 @@ class Hung:
     output: str
 
 
-def hung_rank_job(data, run_dir: Path) -> Hung:
+def hung_rank_job(data, run_dir: Path, port: int) -> Hung:
     """SIGSTOP rank 1 after 2 steps with deepspeed.timeout_s=12; wait for rank 0 to leave."""
-    proc = start_job(data, run_dir, "deepspeed.timeout_s=12")
+    proc = start_job(data, run_dir, port, "deepspeed.timeout_s=12")
     ranks: list = []
     try:
         wait_for_steps(proc, run_dir, 2)
@@ -146,9 +155,8 @@ def hung_rank_job(data, run_dir: Path) -> Hung:
         for p in ranks:
             with contextlib.suppress(psutil.Error):
                 p.send_signal(signal.SIGCONT)
-        if proc.poll() is None:
-            proc.kill()
-    left = any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+        left = any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in ranks)
+        end_job(proc)
     return Hung(proc.returncode, rank0_s, left, output)
 
 
@@ -166,11 +174,12 @@ class Stalled:
 STALL_TIMEOUT_S = 12  # deepspeed.timeout_s of the stalled-loader job
 
 
-def stalled_loader_job(data, run_dir: Path) -> Stalled:
+def stalled_loader_job(data, run_dir: Path, port: int) -> Stalled:
     """SIGSTOP rank 1's DataLoader worker once the job logged a step; wait for rank 1, then the job, to end."""
     proc = start_job(
         data,
         run_dir,
+        port,
         "train.steps=100000",
         f"deepspeed.timeout_s={STALL_TIMEOUT_S}",
         "data.num_workers=1",
@@ -195,49 +204,60 @@ def stalled_loader_job(data, run_dir: Path) -> Stalled:
         for w in workers:
             with contextlib.suppress(psutil.Error):
                 w.kill()
-        if proc.poll() is None:
-            proc.kill()
+        end_job(proc)
     return Stalled(proc.returncode, rank1_ended, job_ended, output)
 
 
 NO_TIME_TO_SAVE = ("checkpoint.every=2", "checkpoint.preempt_grace_s=0.001")
 
-# Each test's job, given the session's BERT data and the job's run directory; in the order they start.
-JOBS: dict[str, Callable[[dict, Path], Any]] = {
+# Each test's job, given the session's BERT data, the job's run directory and its MASTER_PORT; in the order
+# they start. The timed ones come first, while the tests wait for them, with nothing else running but the
+# job beside (the tests that resume a job run theirs later).
+JOBS: dict[str, Callable[[dict, Path, int], Any]] = {
     "test_a_hung_rank_ends_the_job_within_the_timeout": hung_rank_job,
-    "test_sigterm_to_the_launcher_saves": lambda d, r: signal_running_job(d, r, "launcher"),
+    "test_sigterm_to_the_launcher_saves": lambda d, r, p: signal_running_job(d, r, p, "launcher"),
     "test_a_stalled_data_loader_ends_its_rank_with_one_line": stalled_loader_job,
-    "test_sigterm_to_the_process_group_saves": lambda d, r: signal_running_job(d, r, "group"),
+    "test_sigterm_to_the_process_group_saves": lambda d, r, p: signal_running_job(d, r, p, "group"),
     "test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit": kill_9_job,
-    "test_sigterm_to_the_deepspeed_command_alone_saves": lambda d, r: signal_running_job(d, r, "runner"),
-    "test_sigterm_without_time_to_save_keeps_the_last_checkpoint": lambda d, r: signal_running_job(
-        d, r, "rank1", *NO_TIME_TO_SAVE
+    "test_sigterm_to_the_deepspeed_command_alone_saves": lambda d, r, p: signal_running_job(d, r, p, "runner"),
+    "test_sigterm_without_time_to_save_keeps_the_last_checkpoint": lambda d, r, p: signal_running_job(
+        d, r, p, "rank1", *NO_TIME_TO_SAVE
     ),
-    "test_sigterm_saves_and_exits_with_distinct_code": lambda d, r: signal_running_job(d, r, "rank1"),
+    "test_sigterm_saves_and_exits_with_distinct_code": lambda d, r, p: signal_running_job(d, r, p, "rank1"),
 }
 Jobs = Callable[[str], tuple[Any, Path]]  # the jobs fixture: a test's name -> (its job's record, its run.dir)
 
 
+def job_port(index: int) -> int:
+    """Job ``index``'s MASTER_PORT: below the ports the kernel hands out to connections (32768 and up), which
+    the jobs beside it take while its launcher starts, and apart from every other job's."""
+    return 29100 + 10 * index + os.getpid() % 10
+
+
 @pytest.fixture(scope="module")
-def jobs(request, bert_data, tmp_path_factory) -> Iterator[Jobs]:  # noqa: F811
+def jobs(request, bert_data, tmp_path_factory) -> Iterator[Jobs]:
     """``jobs(name)``: what test ``name``'s job returned, and its run directory. Every selected test's job starts
-    with the first of them, two at a time; a job that failed fails its test."""
+    with the first of them, two at a time; a job that failed fails its test. At the end (a failure, ^C), what is
+    left of any job is killed."""
     selected = {item.name for item in request.session.items if item.path == request.path}
     started: dict[str, tuple[Future[Any], Path]] = {}
-    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="job") as pool:
-        for name, job in JOBS.items():
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="job")
+
+    def result(name: str) -> tuple[Any, Path]:
+        future, run_dir = started[name]
+        return future.result(), run_dir
+
+    try:
+        for i, (name, job) in enumerate(JOBS.items()):
             if name in selected:
                 run_dir = tmp_path_factory.mktemp("job") / "run"
-                started[name] = (pool.submit(job, bert_data, run_dir), run_dir)
-
-        def result(name: str) -> tuple[Any, Path]:
-            future, run_dir = started[name]
-            return future.result(), run_dir
-
-        try:
-            yield result
-        finally:
-            pool.shutdown(cancel_futures=True)
+                started[name] = (pool.submit(job, bert_data, run_dir, job_port(i)), run_dir)
+        yield result
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in _started:
+            end_job(proc)
+        pool.shutdown(wait=True)
 
 
 def test_every_fault_test_has_its_job() -> None:
@@ -246,7 +266,7 @@ def test_every_fault_test_has_its_job() -> None:
 
 
 @pytest.fixture(scope="module")
-def long_run(bert_data, tmp_path_factory):  # noqa: F811
+def long_run(bert_data, tmp_path_factory):
     """The uninterrupted losses of the signalled jobs' configuration (train.steps=10000) up to a step: one
     run to step 16 at least, run again further only when a job was stopped later than that."""
     have: dict[int, float] = {}
@@ -273,68 +293,6 @@ def assert_resume_repeats(data, run_dir: Path, long_run) -> None:
     assert res.returncode == 3, res.stderr[-3000:]
     got = losses(run_dir)
     assert [got[s] for s in (stopped + 1, stopped + 2)] == [want[s] for s in (stopped + 1, stopped + 2)]
-
-
-def test_sigterm_to_the_launcher_saves(jobs: Jobs, bert_data, long_run):  # noqa: F811
-    """The launcher passes SIGTERM to its whole process tree, DataLoader workers included: the workers outlive
-    it, the ranks finish the step and save (before, a worker died and the job ended with no checkpoint). The
-    resumed job repeats the uninterrupted losses."""
-    (_, output), run_dir = jobs("test_sigterm_to_the_launcher_saves")
-    assert "SIGTERM: stopping after step" in output and "DataLoader worker" not in output, output[-3000:]
-    assert_resume_repeats(bert_data, run_dir, long_run)
-
-
-def test_sigterm_to_the_process_group_saves(jobs: Jobs, bert_data, long_run):  # noqa: F811
-    """scancel's way: SIGTERM to every process of the job at once (runner, launcher, ranks, DataLoader
-    workers). The workers outlive it, the ranks save and exit 3; the resumed job repeats the uninterrupted
-    losses."""
-    (_, output), run_dir = jobs("test_sigterm_to_the_process_group_saves")
-    assert "saving, exit code 3" in output and "DataLoader worker" not in output, output[-3000:]
-    assert_resume_repeats(bert_data, run_dir, long_run)
-
-
-def test_sigterm_to_the_deepspeed_command_alone_saves(jobs: Jobs, bert_data, long_run):  # noqa: F811
-    """The ``deepspeed`` command passes no signal on when killed; its ranks notice their launcher is gone,
-    save and exit with code 3 instead of training on as orphans. The resumed job repeats the uninterrupted
-    losses."""
-    (rc, output), run_dir = jobs("test_sigterm_to_the_deepspeed_command_alone_saves")
-    assert rc == -signal.SIGTERM
-    assert "is gone); saving, exit code 3" in output, output[-3000:]
-    assert "exits with return code = 3" in output, output[-3000:]  # deepspeed.launcher.launch's report
-    assert_resume_repeats(bert_data, run_dir, long_run)
-
-
-def test_sigterm_without_time_to_save_keeps_the_last_checkpoint(jobs: Jobs):
-    """With checkpoint.preempt_grace_s shorter than a save, a SIGTERM ends the job (exit 3) without a new
-    checkpoint, says so, and the last periodic checkpoint is the resume point."""
-    (rc, output), run_dir = jobs("test_sigterm_without_time_to_save_keeps_the_last_checkpoint")
-    assert rc == 3, output[-3000:]
-    stopped = max(losses(run_dir))
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    assert int(latest.removeprefix("step")) < stopped
-    assert f"SIGTERM: no checkpoint at step {stopped}: the last save took" in output
-    assert f"the next start resumes from {latest}" in output
-
-
-def test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit(jobs: Jobs, bert_data):  # noqa: F811
-    """SIGKILL one rank while the job saves at every step: every process of the job is gone within 30 s, the
-    checkpoint ``latest`` names is complete and whole, and a restart resumes from it."""
-    from training.checkpoint import read_latest, tag_problem
-
-    job, run_dir = jobs("test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit")
-    output = job.output
-    assert not job.alive and job.took < 30, f"{len(job.alive)} processes left after {job.took:.0f} s\n{output[-3000:]}"
-    print(f"every process of the job exited {job.took:.1f} s after the kill")
-    errors = [ln for ln in output.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "error: rank 0: another rank is gone" in errors[0], output[-3000:]
-    assert "Traceback" not in output
-    ckpt = run_dir / "checkpoints"
-    tag = read_latest(ckpt)
-    assert tag is not None and tag_problem(ckpt, tag) is None, tag
-    step = int(tag.removeprefix("step"))
-    res = deepspeed(common(bert_data, run_dir, "train.steps=10000", f"train.stop_at_step={step + 1}"))
-    assert res.returncode == 3, res.stderr[-3000:]
-    assert f"resumed from {ckpt / tag} at step {step}" in res.stderr
 
 
 def test_a_hung_rank_ends_the_job_within_the_timeout(jobs: Jobs):
@@ -373,7 +331,69 @@ def test_a_stalled_data_loader_ends_its_rank_with_one_line(jobs: Jobs):
     assert job.job_ended - job.rank1_ended < 25, f"the job ended {job.job_ended - job.rank1_ended:.0f} s after rank 1"
 
 
-def test_sigterm_saves_and_exits_with_distinct_code(jobs: Jobs, bert_data, long_run):  # noqa: F811
+def test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit(jobs: Jobs, bert_data):
+    """SIGKILL one rank while the job saves at every step: every process of the job is gone within 30 s, the
+    checkpoint ``latest`` names is complete and whole, and a restart resumes from it."""
+    from training.checkpoint import read_latest, tag_problem
+
+    job, run_dir = jobs("test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit")
+    output = job.output
+    assert not job.alive and job.took < 30, f"{len(job.alive)} processes left after {job.took:.0f} s\n{output[-3000:]}"
+    print(f"every process of the job exited {job.took:.1f} s after the kill")
+    errors = [ln for ln in output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "error: rank 0: another rank is gone" in errors[0], output[-3000:]
+    assert "Traceback" not in output
+    ckpt = run_dir / "checkpoints"
+    tag = read_latest(ckpt)
+    assert tag is not None and tag_problem(ckpt, tag) is None, tag
+    step = int(tag.removeprefix("step"))
+    res = deepspeed(common(bert_data, run_dir, "train.steps=10000", f"train.stop_at_step={step + 1}"))
+    assert res.returncode == 3, res.stderr[-3000:]
+    assert f"resumed from {ckpt / tag} at step {step}" in res.stderr
+
+
+def test_sigterm_to_the_launcher_saves(jobs: Jobs, bert_data, long_run):
+    """The launcher passes SIGTERM to its whole process tree, DataLoader workers included: the workers outlive
+    it, the ranks finish the step and save (before, a worker died and the job ended with no checkpoint). The
+    resumed job repeats the uninterrupted losses."""
+    (_, output), run_dir = jobs("test_sigterm_to_the_launcher_saves")
+    assert "SIGTERM: stopping after step" in output and "DataLoader worker" not in output, output[-3000:]
+    assert_resume_repeats(bert_data, run_dir, long_run)
+
+
+def test_sigterm_to_the_process_group_saves(jobs: Jobs, bert_data, long_run):
+    """scancel's way: SIGTERM to every process of the job at once (runner, launcher, ranks, DataLoader
+    workers). The workers outlive it, the ranks save and exit 3; the resumed job repeats the uninterrupted
+    losses."""
+    (_, output), run_dir = jobs("test_sigterm_to_the_process_group_saves")
+    assert "saving, exit code 3" in output and "DataLoader worker" not in output, output[-3000:]
+    assert_resume_repeats(bert_data, run_dir, long_run)
+
+
+def test_sigterm_to_the_deepspeed_command_alone_saves(jobs: Jobs, bert_data, long_run):
+    """The ``deepspeed`` command passes no signal on when killed; its ranks notice their launcher is gone,
+    save and exit with code 3 instead of training on as orphans. The resumed job repeats the uninterrupted
+    losses."""
+    (rc, output), run_dir = jobs("test_sigterm_to_the_deepspeed_command_alone_saves")
+    assert rc == -signal.SIGTERM
+    assert "is gone); saving, exit code 3" in output, output[-3000:]
+    assert "exits with return code = 3" in output, output[-3000:]  # deepspeed.launcher.launch's report
+    assert_resume_repeats(bert_data, run_dir, long_run)
+
+
+def test_sigterm_without_time_to_save_keeps_the_last_checkpoint(jobs: Jobs):
+    """With checkpoint.preempt_grace_s shorter than a save, a SIGTERM ends the job (exit 3) without a new
+    checkpoint, says so, and the last periodic checkpoint is the resume point."""
+    (rc, output), run_dir = jobs("test_sigterm_without_time_to_save_keeps_the_last_checkpoint")
+    assert rc == 3, output[-3000:]
+    stopped = max(losses(run_dir))
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert int(latest.removeprefix("step")) < stopped
+    assert f"SIGTERM: no checkpoint at step {stopped}: the last save took" in output
+    assert f"the next start resumes from {latest}" in output
+
+
+def test_sigterm_saves_and_exits_with_distinct_code(jobs: Jobs, bert_data, long_run):
     """SIGTERM to one rank: the ranks agree to stop together, save and exit with code 3; the resumed job repeats
     the uninterrupted losses, and a changed train.steps applies from the first resumed step."""
     (rc, output), run_dir = jobs("test_sigterm_saves_and_exits_with_distinct_code")

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import REPO, run_env
 from tests.netns import SUBNET, kill_namespace_processes, two_nodes, unavailable_reason
-from tests.test_train import bert_data, losses  # noqa: F401  (session fixture and helper)
+from tests.test_train import losses
 
 pytestmark = pytest.mark.slow
 
@@ -98,7 +98,7 @@ def train_args(data, run_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_two_node_training_then_node_failure_and_restart(bert_data, tmp_path):  # noqa: F811
+def test_two_node_training_then_node_failure_and_restart(bert_data, tmp_path):
     run_dir = tmp_path / "run"
     with two_nodes("t") as (n0, n1):
         hostfile = tmp_path / "hostfile"
@@ -188,7 +188,7 @@ def start_elastic(node, args: list[str], log: Path, nodes: str = "1:2", restarts
     return subprocess.Popen(node.cmd(*argv), cwd=REPO, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
-def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_path):  # noqa: F811
+def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_path):
     """bert-debug (ZeRO-2, BF16, LANS) on 2 nodes under the elastic agent. Node 1 dies mid-run: node 0 goes on
     alone from the last checkpoint, nobody acting. Node 1 comes back: the job grows back to 2 nodes at a
     restart. It ends with exactly train.steps x global_batch samples, and events.jsonl tells the story."""
