@@ -510,7 +510,7 @@ def versions(args: argparse.Namespace) -> dict[str, str | None]:
     every figure."""
     import torch
 
-    from benchmarks.bench_train_ours import package_version
+    from common.packages import installed_version
     from training.devices import MEMORY_CAP_ENV, device_name
 
     gpu = on_gpu(args)
@@ -525,7 +525,7 @@ def versions(args: argparse.Namespace) -> dict[str, str | None]:
         "driver": driver,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        **{package: package_version(package) for package in ("deepspeed", "transformers")},
+        **{package: installed_version(package) for package in ("deepspeed", "transformers")},
         "memory_cap_gib": os.environ.get(MEMORY_CAP_ENV) if gpu else None,
     }
 

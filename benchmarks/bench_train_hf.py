@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                 probe.close()
                 self.t1, self.cpu1 = time.perf_counter(), time.process_time()
 
-    from benchmarks.bench_train_ours import StepProbe, package_version
+    from benchmarks.bench_train_ours import StepProbe
+    from common.packages import installed_version
 
     probe = StepProbe(cuda=cuda)
     clock = Clock()
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
-            "transformers": package_version("transformers"),
+            "transformers": installed_version("transformers"),
         },
     }
     Path(args.out).write_text(json.dumps(record) + "\n", encoding="utf-8")

@@ -99,16 +99,6 @@ class StepProbe:
         }
 
 
-def package_version(package: str) -> str | None:
-    """An installed distribution's version, None when it is not installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
 def time_clock_window(probe: StepProbe) -> dict[str, float]:
     """Wrap ``Clock.open`` / ``Clock.close`` (the trainer's public clock) so that each open interval adds
     its process CPU time and wall time to the returned dict, with ``probe`` open over the same intervals."""

@@ -49,6 +49,7 @@ from packaging.version import InvalidVersion, Version
 
 from common.errors import UserError
 from common.log import get_logger
+from common.packages import installed_version
 
 log = get_logger("bundle")
 
@@ -123,15 +124,6 @@ def parse_have_line(line: str, where: str) -> tuple[str, str | None] | None:
     return canonicalize_name(name), ver
 
 
-def _version_here(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-
-
 def read_have(freeze: str | None, have: list[str]) -> dict[str, str]:
     """What the target has: name -> version. A name without a version is taken at this machine's version."""
     out: dict[str, str] = {}
@@ -149,7 +141,7 @@ def read_have(freeze: str | None, have: list[str]) -> dict[str, str]:
             continue
         name, ver = got
         if ver is None:
-            ver = _version_here(name)
+            ver = installed_version(name)
             if ver is None:
                 if strict:
                     raise UserError(f"{where}: no version given and {name} is not installed here; use NAME==VERSION")
@@ -245,12 +237,7 @@ def deepspeed_version(spec: Requirement, wanted: str | None) -> str:
         if not spec.specifier.contains(wanted, prereleases=True):
             raise UserError(f"--deepspeed {wanted}: the project requires {spec}")
         return wanted
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        here = version("deepspeed")
-    except PackageNotFoundError:
-        here = None
+    here = installed_version("deepspeed")
     if here and spec.specifier.contains(here, prereleases=True):
         return Version(here).public
     return ""

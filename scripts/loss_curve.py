@@ -290,6 +290,8 @@ def run_variants(model: str, data: dict[str, Path], work: Path) -> dict[str, dic
 
 def record(model: str, curves: dict[str, dict[int, float]], work: Path, digest: str) -> dict:
     """The expected file's content from ``run_variants``' curves (run directories under ``work``)."""
+    from common.packages import installed_version
+
     settings, base = SETTINGS[model], curves["default"]
     isa_spread, thread_spread = max_rel_diff(base, curves["isa"]), max_rel_diff(base, curves["threads2"])
     controls = {name: max_rel_diff(base, curves[name]) for name in CONTROLS}
@@ -335,8 +337,8 @@ def record(model: str, curves: dict[str, dict[int, float]], work: Path, digest: 
             "rule": "min(factor x spread_used, fraction x min(controls)); used = max(spreads) or floor",
         },
         "recorded_on": {
-            "torch": _version("torch"),
-            "deepspeed": _version("deepspeed"),
+            "torch": installed_version("torch"),
+            "deepspeed": installed_version("deepspeed"),
             "seconds_per_run": round(seconds, 1),
         },
         "resolved_config": resolved,
@@ -347,12 +349,6 @@ def round_down(x: float, digits: int = 3) -> float:
     """``x`` to ``digits`` significant digits, never above ``x`` (a tolerance must not grow by rounding)."""
     scale = 10.0 ** (digits - 1 - math.floor(math.log10(x)))
     return math.floor(x * scale) / scale
-
-
-def _version(name: str) -> str:
-    from importlib.metadata import version
-
-    return version(name)
 
 
 def build_all(work: Path, models: list[str]) -> tuple[dict[str, dict[str, Path]], dict[str, str]]:
