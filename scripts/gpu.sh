@@ -42,10 +42,7 @@ if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   exit 2
 fi
 
-if [ -z "${WIKIPRETRAIN_DEVICE_MEMORY_GIB:-}" ]; then  # an H200 measured as an H100 80GB
-  TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
-  [ -n "$TOTAL_MIB" ] && [ "$TOTAL_MIB" -gt 82000 ] && export WIKIPRETRAIN_DEVICE_MEMORY_GIB=78
-fi
+. scripts/gpu_memory_cap.sh  # an H200 measured as an H100 80GB
 
 echo "== 1/5 install from $BUNDLE (pip --no-index)"
 { nvidia-smi || true; } > "$OUT/nvidia-smi.txt" 2>&1

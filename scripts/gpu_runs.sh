@@ -31,10 +31,7 @@ BERT_MICRO=${BERT_MICRO:-128} BERT_GLOBAL=${BERT_GLOBAL:-1024} BERT_STEPS=${BERT
 NEOX_MICRO=${NEOX_MICRO:-8} NEOX_GLOBAL=${NEOX_GLOBAL:-32} NEOX_STEPS=${NEOX_STEPS:-14}
 BERT_MODEL=${BERT_MODEL:-bert-large} NEOX_MODEL=${NEOX_MODEL:-neox-1.3b} PEER_DEVICE=${PEER_DEVICE:-cuda}
 NUM_GPUS=${NUM_GPUS:-1}
-if [ -z "${WIKIPRETRAIN_DEVICE_MEMORY_GIB:-}" ]; then  # an H200 measured as an H100 80GB
-  TOTAL_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1 || true)
-  [ -n "$TOTAL_MIB" ] && [ "$TOTAL_MIB" -gt 82000 ] && export WIKIPRETRAIN_DEVICE_MEMORY_GIB=78
-fi
+. scripts/gpu_memory_cap.sh  # an H200 measured as an H100 80GB
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-4} TOKENIZERS_PARALLELISM=false
 D=$OUT/data
 
