@@ -456,3 +456,53 @@ def logs(caplog):
     caplog.set_level(logging.INFO, logger="wikipretrain")
     yield caplog
     logger.removeHandler(caplog.handler)
+
+
+def deepspeed(
+    args: list[str], ranks: int = 2, timeout: int = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """train.py on ``ranks`` ranks, started as the DeepSpeed launcher starts them (``start_ranks``); on a
+    machine with one GPU (the GPU tier) the ranks share it, under gloo."""
+    one = ranks > 1 and shares_one_gpu()
+    return start_ranks(
+        ["train.py", *args, *(["deepspeed.backend=gloo"] if one else [])], ranks, timeout, env, one_device=one
+    )
+
+
+def shares_one_gpu() -> bool:
+    import torch
+
+    return torch.cuda.device_count() == 1
+
+
+def common(data: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
+    return [
+        "--config",
+        "smoke",
+        f"run.dir={run_dir}",
+        f"data.train={data['train']}",
+        f"data.eval={data['eval']}",
+        f"data.vocab={data['vocab']}",
+        "train.steps=8",
+        "train.global_batch=16",
+        "train.micro_batch=4",
+        "logging.every=1",
+        "checkpoint.every=4",
+        "train.eval_every=4",
+        "train.eval_samples=32",
+        "train.deterministic=true",  # the resume tests below must still repeat exactly
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="session")
+def straight_run(bert_data, tmp_path_factory) -> Path:
+    """The smoke recipe's 8 steps on 2 ranks (checkpoints at steps 4 and 8), run once: the tests that read it
+    copy what they change."""
+    run_dir = tmp_path_factory.mktemp("straight") / "run"
+    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+    res = deepspeed(common(bert_data, run_dir))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    shm_new = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - shm_before
+    (run_dir.parent / "shm_new.json").write_text(json.dumps(sorted(map(str, shm_new))))
+    return run_dir

@@ -18,15 +18,14 @@ import pytest
 
 from common.errors import UserError
 from common.net import free_port
-from tests.conftest import REPO, run_env
-from tests.test_train import common, straight_run  # noqa: F401  (straight_run: a fixture)
+from tests.conftest import REPO, common, run_env
 from training import checkpoint
 from training.config import CheckpointSection
 from training.resume import ResumePoint, check_shared, find_resume
 
 
 @pytest.fixture
-def ckpt(straight_run, tmp_path) -> Path:  # noqa: F811
+def ckpt(straight_run, tmp_path) -> Path:
     """A copy of a finished 2-rank run's checkpoints (step4 and step8 complete)."""
     shutil.copytree(straight_run / "checkpoints", tmp_path / "run" / "checkpoints")
     return tmp_path / "run" / "checkpoints"
