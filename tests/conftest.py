@@ -15,7 +15,10 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -343,6 +346,34 @@ def _one_thread(rank: int, fn, *args) -> None:
 
     torch.set_num_threads(1)
     fn(rank, *args)
+
+
+def module_tests(request, prefix: str) -> set[str]:
+    """The names (less ``prefix``) of the tests this session runs from the module of ``request``: what a module
+    fixture that starts their work in advance starts (``-k``, ``--lf`` and the like leave the others out)."""
+    return {item.name.removeprefix(prefix) for item in request.session.items if item.path == request.path}
+
+
+class TwoAtATime:
+    """Tests' work started ahead of them, two at a time in the background (runs that mostly wait: start-ups,
+    timeouts); ``runs(key)`` is key's result and folder, once done (a run that raised raises there)."""
+
+    def __init__(self, name: str) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=name)
+        self.runs: dict[str, tuple[Future[Any], Path]] = {}
+
+    def start(self, key: str, where: Path, fn: Callable[..., Any], *args: Any) -> None:
+        self.runs[key] = (self.pool.submit(fn, *args), where)
+
+    def __call__(self, key: str) -> tuple[Any, Path]:
+        future, where = self.runs[key]
+        return future.result(), where
+
+    def close(self, end: Callable[[], None] = lambda: None) -> None:
+        """Cancel what has not started, ``end`` what runs (a failure or ^C left it), then wait for it."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        end()
+        self.pool.shutdown(wait=True)
 
 
 @pytest.fixture(scope="session")

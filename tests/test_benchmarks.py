@@ -20,12 +20,11 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, TwoAtATime, module_tests, run_env
 
 BENCH = REPO / "benchmarks"
 HELPERS = {  # run by another benchmark, which the test checks
@@ -34,7 +33,6 @@ HELPERS = {  # run by another benchmark, which the test checks
     "startup_floor.py": "bench_startup.py",
 }
 NUM = r"(\d+(?:,\d{3})*(?:\.\d+)?)"  # a printed figure: 12, 0.034, 13,307,392
-Bench = Callable[[str], tuple[str, Path]]  # the bench fixture: a test's key -> (stdout, work directory)
 
 # Each test_bench_<key>'s benchmark and toy arguments, given the run's own work directory ``w`` (runs and logs
 # apart; the shared text, vocabulary and shards linked in). The training benchmarks start their MASTER_PORTs
@@ -120,17 +118,11 @@ def bench_data(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def bench(request, bench_data: dict[str, Path], tmp_path_factory) -> Iterator[Bench]:
+def bench(request, bench_data: dict[str, Path], tmp_path_factory) -> Iterator[TwoAtATime]:
     """``bench(key)``: the stdout of test_bench_<key>'s run and its work directory. Every selected test's run
     starts with the first of them, two at a time, in ``ARGS``'s order; a run that failed fails its test."""
-    selected = {item.name.removeprefix("test_bench_") for item in request.session.items if item.path == request.path}
-    runs: dict[str, tuple[Future[str], Path]] = {}
-    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="bench")
-
-    def result(key: str) -> tuple[str, Path]:
-        future, work = runs[key]
-        return future.result(), work
-
+    selected = module_tests(request, "test_bench_")
+    runs = TwoAtATime("bench")
     try:
         for key, args in ARGS.items():
             if key not in selected:
@@ -139,10 +131,10 @@ def bench(request, bench_data: dict[str, Path], tmp_path_factory) -> Iterator[Be
             for name in ("text", "vocab", "bert"):  # the shared data, under the names build_data looks for
                 (work / bench_data[name].name).symlink_to(bench_data[name])
             script, *rest = args(work)
-            runs[key] = (pool.submit(run_bench, script, *rest), work)
-        yield result
+            runs.start(key, work, run_bench, script, *rest)
+        yield runs
     finally:
-        pool.shutdown(cancel_futures=True)
+        runs.close()
 
 
 def test_every_benchmark_is_run_here() -> None:
@@ -155,7 +147,7 @@ def test_every_benchmark_is_run_here() -> None:
 
 
 @pytest.mark.slow
-def test_bench_train(bench: Bench) -> None:
+def test_bench_train(bench: TwoAtATime) -> None:
     out, _ = bench("train")
     (row,) = figures(
         rf"^\| bert-debug \| 128 \| 2 x 2 \| {NUM} \(.*?\) \| {NUM} \(.*?\) \| {NUM}x \| {NUM} \(.*?\) \| "
@@ -168,7 +160,7 @@ def test_bench_train(bench: Bench) -> None:
 
 
 @pytest.mark.slow
-def test_bench_train_tiny_rows(bench: Bench) -> None:
+def test_bench_train_tiny_rows(bench: TwoAtATime) -> None:
     """``--tiny``: the GPU rows (bert-large phase 1 and 2 with LAMB and LANS, neox-1.3b with AdamW, each beside
     the Trainer) at debug sizes on CPU: every run printed, and every figure of both sides recorded (unrounded,
     in the JSON) with the versions."""
@@ -207,7 +199,7 @@ def test_bench_train_tiny_rows(bench: Bench) -> None:
 
 
 @pytest.mark.slow
-def test_bench_switch(bench: Bench) -> None:
+def test_bench_switch(bench: TwoAtATime) -> None:
     """model.unpad on and off: both sides ran and reported the padding of what they read and their first step;
     the ratios are the medians' quotients."""
     out, _ = bench("switch")
@@ -223,7 +215,7 @@ def test_bench_switch(bench: Bench) -> None:
 
 
 @pytest.mark.slow
-def test_bench_train_profile(bench: Bench) -> None:
+def test_bench_train_profile(bench: TwoAtATime) -> None:
     out, _ = bench("train_profile")
     assert "bert-debug: 2 profiled optimizer steps" in out
     for phase in (
@@ -238,7 +230,7 @@ def test_bench_train_profile(bench: Bench) -> None:
 
 
 @pytest.mark.slow
-def test_bench_checkpoint_stall(bench: Bench) -> None:
+def test_bench_checkpoint_stall(bench: TwoAtATime) -> None:
     out, _ = bench("checkpoint_stall")
     for side in (r"sync \(DeepSpeed save_checkpoint\)", r"async \(ours\)"):
         ((saves, stall, *_),) = figures(rf"^{side} +{NUM} +{NUM} ", out)
@@ -248,7 +240,7 @@ def test_bench_checkpoint_stall(bench: Bench) -> None:
 
 
 @pytest.mark.slow
-def test_bench_startup(bench: Bench) -> None:
+def test_bench_startup(bench: TwoAtATime) -> None:
     out, _ = bench("startup")
     for what in ("launch -> exit", "process -> first step"):
         ((ours, floor, ratio),) = figures(rf"^\| {what} \| {NUM} s \| {NUM} s \| {NUM}x \|$", out)
@@ -256,7 +248,7 @@ def test_bench_startup(bench: Bench) -> None:
 
 
 @pytest.mark.slow
-def test_bench_comm(bench: Bench) -> None:
+def test_bench_comm(bench: TwoAtATime) -> None:
     out, _ = bench("comm")
     assert out.startswith("2 ranks, backend gloo")
     rows = figures(rf"^(?:all_reduce|all_gather|reduce_scatter) +\d+K +{NUM} +{NUM} +{NUM}$", out, count=6)
@@ -264,7 +256,7 @@ def test_bench_comm(bench: Bench) -> None:
 
 
 @pytest.mark.slow
-def test_bench_lans(bench: Bench) -> None:
+def test_bench_lans(bench: TwoAtATime) -> None:
     out, _ = bench("lans")
     for name in ("torch AdamW", "LANS cpu", "LANS fused", "LANS foreach", "naive per-tensor LANS"):
         ((median, *_),) = figures(rf"^{name} .*? {NUM} +{NUM} +{NUM} +{NUM}$", out)
@@ -275,7 +267,7 @@ def test_bench_lans(bench: Bench) -> None:
 
 
 @pytest.mark.slow
-def test_bench_build_memory(bench: Bench) -> None:
+def test_bench_build_memory(bench: TwoAtATime) -> None:
     out, _ = bench("build_memory")
     for side in ("full", "ours", "hf"):
         ((ranks, peak, before, build_s, held),) = figures(
@@ -285,7 +277,7 @@ def test_bench_build_memory(bench: Bench) -> None:
 
 
 @pytest.mark.slow
-def test_bench_loader(bench: Bench) -> None:
+def test_bench_loader(bench: TwoAtATime) -> None:
     out, _ = bench("loader")
     ((ranks, accum, worst, mean, per_s, startup, rss),) = figures(
         rf"^ +{NUM} +{NUM} ours +{NUM} +{NUM} +{NUM} +{NUM} +{NUM} ", out
@@ -296,7 +288,7 @@ def test_bench_loader(bench: Bench) -> None:
 
 
 @pytest.mark.slow
-def test_bench_bert_instances(bench: Bench) -> None:
+def test_bench_bert_instances(bench: TwoAtATime) -> None:
     out, _ = bench("bert_instances")
     rows = figures(rf"^1 copy +data bert --workers [12] +{NUM} +{NUM} +{NUM} +{NUM} +{NUM} ", out, count=2)
     assert all(inst > 0 and tokens > 0 and per_s > 0 for inst, tokens, _, per_s, _ in rows)
@@ -304,7 +296,7 @@ def test_bench_bert_instances(bench: Bench) -> None:
 
 
 @pytest.mark.slow
-def test_bench_wiki(bench: Bench) -> None:
+def test_bench_wiki(bench: TwoAtATime) -> None:
     out, _ = bench("wiki")
     ((workers, wall, cpu, articles, *_),) = figures(
         rf"^\| ours \(data.wiki\) \| {NUM} \| {NUM} \| {NUM} \| {NUM} \|", out
@@ -316,7 +308,7 @@ def test_bench_wiki(bench: Bench) -> None:
 
 
 @pytest.mark.slow
-def test_bench_neox_loss(bench: Bench) -> None:
+def test_bench_neox_loss(bench: TwoAtATime) -> None:
     out, _ = bench("neox_loss")
     for side in ("ours", "peer"):
         # model MiB, added MiB, best s, median s, cold added MiB, cold s, loss

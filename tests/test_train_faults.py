@@ -19,7 +19,6 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import REPO, launcher, run_env
+from tests.conftest import REPO, TwoAtATime, launcher, module_tests, run_env
 from tests.test_train import common, deepspeed, losses
 from training import events
 
@@ -225,7 +224,6 @@ JOBS: dict[str, Callable[[dict, Path, int], Any]] = {
     ),
     "test_sigterm_saves_and_exits_with_distinct_code": lambda d, r, p: signal_running_job(d, r, p, "rank1"),
 }
-Jobs = Callable[[str], tuple[Any, Path]]  # the jobs fixture: a test's name -> (its job's record, its run.dir)
 
 
 def job_port(index: int) -> int:
@@ -235,29 +233,20 @@ def job_port(index: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def jobs(request, bert_data, tmp_path_factory) -> Iterator[Jobs]:
+def jobs(request, bert_data, tmp_path_factory) -> Iterator[TwoAtATime]:
     """``jobs(name)``: what test ``name``'s job returned, and its run directory. Every selected test's job starts
     with the first of them, two at a time; a job that failed fails its test. At the end (a failure, ^C), what is
     left of any job is killed."""
-    selected = {item.name for item in request.session.items if item.path == request.path}
-    started: dict[str, tuple[Future[Any], Path]] = {}
-    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="job")
-
-    def result(name: str) -> tuple[Any, Path]:
-        future, run_dir = started[name]
-        return future.result(), run_dir
-
+    selected = module_tests(request, "")
+    runs = TwoAtATime("job")
     try:
         for i, (name, job) in enumerate(JOBS.items()):
             if name in selected:
                 run_dir = tmp_path_factory.mktemp("job") / "run"
-                started[name] = (pool.submit(job, bert_data, run_dir, job_port(i)), run_dir)
-        yield result
+                runs.start(name, run_dir, job, bert_data, run_dir, job_port(i))
+        yield runs
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-        for proc in _started:
-            end_job(proc)
-        pool.shutdown(wait=True)
+        runs.close(end=lambda: [end_job(proc) for proc in _started])
 
 
 def test_every_fault_test_has_its_job() -> None:
@@ -295,7 +284,7 @@ def assert_resume_repeats(data, run_dir: Path, long_run) -> None:
     assert [got[s] for s in (stopped + 1, stopped + 2)] == [want[s] for s in (stopped + 1, stopped + 2)]
 
 
-def test_a_hung_rank_ends_the_job_within_the_timeout(jobs: Jobs):
+def test_a_hung_rank_ends_the_job_within_the_timeout(jobs: TwoAtATime):
     """SIGSTOP one rank mid-run with deepspeed.timeout_s=12: the other rank leaves its collective (ZeRO-2's
     groups included) within the timeout, and the launcher ends the job."""
     job, _ = jobs("test_a_hung_rank_ends_the_job_within_the_timeout")
@@ -309,7 +298,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(jobs: Jobs):
     assert not job.ranks_left, "ranks left running"
 
 
-def test_a_stalled_data_loader_ends_its_rank_with_one_line(jobs: Jobs):
+def test_a_stalled_data_loader_ends_its_rank_with_one_line(jobs: TwoAtATime):
     """SIGSTOP rank 1's DataLoader worker mid-run (a worker stuck on a stalled filesystem): once its queued
     batches are used, rank 1 waits for data; its watchdog ends it within deepspeed.timeout_s with one line
     naming its data loader and the node, and records the failure."""
@@ -331,7 +320,7 @@ def test_a_stalled_data_loader_ends_its_rank_with_one_line(jobs: Jobs):
     assert job.job_ended - job.rank1_ended < 25, f"the job ended {job.job_ended - job.rank1_ended:.0f} s after rank 1"
 
 
-def test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit(jobs: Jobs, bert_data):
+def test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit(jobs: TwoAtATime, bert_data):
     """SIGKILL one rank while the job saves at every step: every process of the job is gone within 30 s, the
     checkpoint ``latest`` names is complete and whole, and a restart resumes from it."""
     from training.checkpoint import read_latest, tag_problem
@@ -352,7 +341,7 @@ def test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit(jobs: Jobs, ber
     assert f"resumed from {ckpt / tag} at step {step}" in res.stderr
 
 
-def test_sigterm_to_the_launcher_saves(jobs: Jobs, bert_data, long_run):
+def test_sigterm_to_the_launcher_saves(jobs: TwoAtATime, bert_data, long_run):
     """The launcher passes SIGTERM to its whole process tree, DataLoader workers included: the workers outlive
     it, the ranks finish the step and save (before, a worker died and the job ended with no checkpoint). The
     resumed job repeats the uninterrupted losses."""
@@ -361,7 +350,7 @@ def test_sigterm_to_the_launcher_saves(jobs: Jobs, bert_data, long_run):
     assert_resume_repeats(bert_data, run_dir, long_run)
 
 
-def test_sigterm_to_the_process_group_saves(jobs: Jobs, bert_data, long_run):
+def test_sigterm_to_the_process_group_saves(jobs: TwoAtATime, bert_data, long_run):
     """scancel's way: SIGTERM to every process of the job at once (runner, launcher, ranks, DataLoader
     workers). The workers outlive it, the ranks save and exit 3; the resumed job repeats the uninterrupted
     losses."""
@@ -370,7 +359,7 @@ def test_sigterm_to_the_process_group_saves(jobs: Jobs, bert_data, long_run):
     assert_resume_repeats(bert_data, run_dir, long_run)
 
 
-def test_sigterm_to_the_deepspeed_command_alone_saves(jobs: Jobs, bert_data, long_run):
+def test_sigterm_to_the_deepspeed_command_alone_saves(jobs: TwoAtATime, bert_data, long_run):
     """The ``deepspeed`` command passes no signal on when killed; its ranks notice their launcher is gone,
     save and exit with code 3 instead of training on as orphans. The resumed job repeats the uninterrupted
     losses."""
@@ -381,7 +370,7 @@ def test_sigterm_to_the_deepspeed_command_alone_saves(jobs: Jobs, bert_data, lon
     assert_resume_repeats(bert_data, run_dir, long_run)
 
 
-def test_sigterm_without_time_to_save_keeps_the_last_checkpoint(jobs: Jobs):
+def test_sigterm_without_time_to_save_keeps_the_last_checkpoint(jobs: TwoAtATime):
     """With checkpoint.preempt_grace_s shorter than a save, a SIGTERM ends the job (exit 3) without a new
     checkpoint, says so, and the last periodic checkpoint is the resume point."""
     (rc, output), run_dir = jobs("test_sigterm_without_time_to_save_keeps_the_last_checkpoint")
@@ -393,7 +382,7 @@ def test_sigterm_without_time_to_save_keeps_the_last_checkpoint(jobs: Jobs):
     assert f"the next start resumes from {latest}" in output
 
 
-def test_sigterm_saves_and_exits_with_distinct_code(jobs: Jobs, bert_data, long_run):
+def test_sigterm_saves_and_exits_with_distinct_code(jobs: TwoAtATime, bert_data, long_run):
     """SIGTERM to one rank: the ranks agree to stop together, save and exit with code 3; the resumed job repeats
     the uninterrupted losses, and a changed train.steps applies from the first resumed step."""
     (rc, output), run_dir = jobs("test_sigterm_saves_and_exits_with_distinct_code")
