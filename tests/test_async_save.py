@@ -16,7 +16,7 @@ import torch.distributed as dist
 from common.errors import UserError
 from common.net import free_port
 from tests.conftest import run_in_ranks
-from training import checkpoint, saving
+from training import checkpoint, collectives, events, saving
 from training.trainer import StepReduction
 
 LATE_STEPS = 3  # rank 1's write is held back this many steps
@@ -126,6 +126,38 @@ def test_a_failed_commit_reaches_every_rank_as_one_line(tmp_path: Path) -> None:
     assert ranks[0]["seen"][-2] == [2, False] and ranks[0]["seen"][-1][1], "the commit's failure came a step later"
     assert ranks[0]["error"] == ranks[1]["error"] and "(rank 0): " in ranks[0]["error"]
     assert not (ckpt / "step00000010").exists()
+
+
+def _peer_lost_main(rank: int, ckpt: str, out: str, port: int) -> None:
+    """Rank 1 votes its files written and dies; rank 0 commits and finds it gone in the vote on the commit."""
+    import datetime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
+    if rank == 1:
+        collectives.first_failure(None)  # the vote on the writes
+        os._exit(0)  # gone before the vote on the commit
+    tag_dir = Path(ckpt) / checkpoint.tag_for(10)
+    tag_dir.mkdir(parents=True)
+    save = saving.BackgroundSave(Path(ckpt), 10, 0, [({"w": torch.ones(4)}, str(tag_dir / "part.pt"))], {"step": 10})
+    try:
+        save.finish(keep=3, on_commit=lambda tag: events.record(Path(out), "checkpoint", step=10, tag=tag))
+        error = None
+    except RuntimeError as e:  # train.py ends the rank here (peer lost)
+        error = str(e)
+    Path(out, "rank0.json").write_text(json.dumps({"error": error}))
+    os._exit(0)  # no teardown: it would wait on the peer that is gone
+
+
+def test_a_peer_lost_in_the_commit_vote_leaves_the_commit_with_its_event(tmp_path: Path) -> None:
+    """The commit is on disk (the next start resumes from it) when a peer is lost in the vote on it: its
+    ``checkpoint`` event is already written, so the run's events name every checkpoint it can resume from."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    run_in_ranks(_peer_lost_main, (str(ckpt), str(out), free_port()), nprocs=2, timeout=120)
+    assert json.loads((out / "rank0.json").read_text())["error"], "the vote on the commit found no peer lost"
+    assert checkpoint.latest_complete(ckpt) == "step00000010"
+    assert [(e["event"], e["tag"]) for e in events.read(out)] == [("checkpoint", "step00000010")]
 
 
 def test_host_buffers_are_reused_save_after_save_and_never_while_a_writer_reads(tmp_path: Path) -> None:

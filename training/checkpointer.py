@@ -152,7 +152,14 @@ class Checkpointer:
             pending.counted = counted
             tag = pending.tag
         else:
-            tag = saving.save(self.engine, self.dir, step, client, self.cfg.keep)
+            tag = saving.save(
+                self.engine,
+                self.dir,
+                step,
+                client,
+                self.cfg.keep,
+                on_commit=lambda tag: self._record(step, tag, time.perf_counter() - t0, **counted),
+            )
         self.last_save_s = time.perf_counter() - t0
         self._stalled(time.perf_counter() - t1)  # the wait above is counted where it happened
         self.last_saved = step
@@ -162,7 +169,6 @@ class Checkpointer:
         else:
             self.full_save_s = self.last_save_s
             log.info(f"saved checkpoint {self.dir / tag}")
-            self._record(step, tag, self.last_save_s, **counted)
         return tag
 
     def save_scheduled(self, step: int, progress: dict[str, Any]) -> None:
@@ -191,11 +197,15 @@ class Checkpointer:
             )
 
     def _committed(self, pending: saving.BackgroundSave) -> None:
+        """Every rank, once the background save's commit stood (its event is already written)."""
         self.full_save_s = pending.stall_s + pending.write_s
         log.info(f"saved checkpoint {self.dir / pending.tag} (written in the background in {pending.write_s:.2f} s)")
-        self._record(
+
+    def _record_background(self, pending: saving.BackgroundSave) -> saving.OnCommit:
+        """The event of a background save, for rank 0 to write the moment its commit is on disk."""
+        return lambda tag: self._record(
             pending.step,
-            pending.tag,
+            tag,
             pending.stall_s,
             write_s=round(pending.write_s, 4),
             done_at=pending.done_at,
@@ -221,7 +231,7 @@ class Checkpointer:
             if clock is not None:
                 clock.close()  # rank 0's commit (COMPLETE, latest, old tags removed) is not training time
             t0 = time.perf_counter()
-            if pending.commit(self.cfg.keep):
+            if pending.commit(self.cfg.keep, self._record_background(pending)):
                 self._committed(pending)
             self._stalled(time.perf_counter() - t0)
             pending.reported_step = step  # the next collective says whether the commit stood
@@ -237,7 +247,7 @@ class Checkpointer:
             return
         t0 = time.perf_counter()
         already = pending.committed
-        pending.finish(self.cfg.keep)
+        pending.finish(self.cfg.keep, self._record_background(pending))
         self._stalled(time.perf_counter() - t0)  # waiting for it stalls training too
         if not already:
             self._committed(pending)

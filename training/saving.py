@@ -47,8 +47,13 @@ from training.checkpoint import (
     tag_for,
 )
 
+OnCommit = Callable[[str], None] | None
+"""Called on rank 0 with the tag as soon as its commit is on disk, before the ranks vote on it: the run's
+``checkpoint`` event is written there, so that a peer lost during that vote cannot leave a committed tag
+(which the next start resumes from) without its event."""
 
-def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: int) -> str:
+
+def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: int, on_commit: OnCommit = None) -> str:
     """Save on every rank; commit (COMPLETE, then ``latest``) only when every rank has written its part."""
     tag = tag_for(step)
     rank = collectives.rank()
@@ -73,7 +78,7 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
     if failed:
         _give_up(ckpt_dir, tag, rank)
         raise UserError(_failed_save(ckpt_dir, tag, failed))
-    _voted_commit(ckpt_dir, tag, keep, rank)
+    _voted_commit(ckpt_dir, tag, keep, rank, on_commit)
     return tag
 
 
@@ -102,7 +107,7 @@ def _give_up(ckpt_dir: Path, tag: str, rank: int) -> None:
         shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
 
 
-def _try_commit(ckpt_dir: Path, tag: str, keep: int, rank: int) -> str | None:
+def _try_commit(ckpt_dir: Path, tag: str, keep: int, rank: int, on_commit: OnCommit) -> str | None:
     """Rank 0 commits; the error (one line) if it could not, None otherwise and on other ranks."""
     if rank != 0:
         return None
@@ -110,13 +115,15 @@ def _try_commit(ckpt_dir: Path, tag: str, keep: int, rank: int) -> str | None:
         _commit(ckpt_dir, tag, keep)
     except OSError as e:
         return describe_write_error(e, ckpt_dir)
+    if on_commit is not None:
+        on_commit(tag)
     return None
 
 
-def _voted_commit(ckpt_dir: Path, tag: str, keep: int, rank: int) -> None:
+def _voted_commit(ckpt_dir: Path, tag: str, keep: int, rank: int, on_commit: OnCommit) -> None:
     """Rank 0 commits and every rank learns whether it could (a full disk can refuse even COMPLETE): the same
     one line on every rank, instead of rank 0 failing alone while the others wait for it."""
-    failed = collectives.first_failure(_try_commit(ckpt_dir, tag, keep, rank))
+    failed = collectives.first_failure(_try_commit(ckpt_dir, tag, keep, rank, on_commit))
     if failed:
         _give_up(ckpt_dir, tag, rank)
         raise UserError(_failed_save(ckpt_dir, tag, failed))
@@ -320,15 +327,15 @@ class BackgroundSave:
     def failed(self) -> bool:
         return not self._thread.is_alive() and self.error is not None
 
-    def commit(self, keep: int) -> bool:
+    def commit(self, keep: int, on_commit: OnCommit = None) -> bool:
         """Every rank reported its files written (through the step's collective): rank 0 commits. False
         when the commit failed (``error`` says why; the next step's collective tells every rank)."""
         self._thread.join()
-        self.error = _try_commit(self.ckpt_dir, self.tag, keep, self.rank)
+        self.error = _try_commit(self.ckpt_dir, self.tag, keep, self.rank, on_commit)
         self.committed = self.error is None
         return self.committed
 
-    def finish(self, keep: int) -> None:
+    def finish(self, keep: int, on_commit: OnCommit = None) -> None:
         """Every rank at the same point: wait for this rank's writes, vote, commit unless done already, vote
         on the commit. On a failure rank 0 removes the tag and every rank raises the same one line."""
         self._thread.join()
@@ -337,7 +344,7 @@ class BackgroundSave:
             _give_up(self.ckpt_dir, self.tag, self.rank)
             raise UserError(_failed_save(self.ckpt_dir, self.tag, failed, "(in the background) "))
         if not self.committed:
-            _voted_commit(self.ckpt_dir, self.tag, keep, self.rank)
+            _voted_commit(self.ckpt_dir, self.tag, keep, self.rank, on_commit)
             self.committed = True
 
 
