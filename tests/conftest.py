@@ -506,7 +506,8 @@ def shares_one_gpu() -> bool:
     return torch.cuda.device_count() == 1
 
 
-def common(data: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
+def smoke(data: dict[str, Path], run_dir: Path, *settings: str) -> list[str]:
+    """train.py's arguments for the smoke recipe on ``bert_data``, writing to ``run_dir``, then ``settings``."""
     return [
         "--config",
         "smoke",
@@ -514,6 +515,14 @@ def common(data: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
         f"data.train={data['train']}",
         f"data.eval={data['eval']}",
         f"data.vocab={data['vocab']}",
+        *settings,
+    ]
+
+
+def common(data: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
+    return smoke(
+        data,
+        run_dir,
         "train.steps=8",
         "train.global_batch=16",
         "train.micro_batch=4",
@@ -523,7 +532,7 @@ def common(data: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
         "train.eval_samples=32",
         "train.deterministic=true",  # the resume tests below must still repeat exactly
         *extra,
-    ]
+    )
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from common.net import free_port
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, run_env, smoke
 from training import events
 
 
@@ -35,20 +35,18 @@ def elastic(run_dir: Path, data, *extra: str, restarts: int = 2, nodes: str = "1
         "--last-call-s",
         "1",
         "--",
-        "--config",
-        "smoke",
-        f"run.dir={run_dir}",
-        f"data.train={data['train']}",
-        f"data.eval={data['eval']}",
-        f"data.vocab={data['vocab']}",
-        "train.global_batch=8",
-        "train.micro_batch=4",
-        "logging.every=1",
-        "train.eval_every=0",
-        "train.eval_samples=16",
-        "checkpoint.every=2",
-        "deepspeed.zero_stage=2",
-        *extra,
+        *smoke(
+            data,
+            run_dir,
+            "train.global_batch=8",
+            "train.micro_batch=4",
+            "logging.every=1",
+            "train.eval_every=0",
+            "train.eval_samples=16",
+            "checkpoint.every=2",
+            "deepspeed.zero_stage=2",
+            *extra,
+        ),
     ]
 
 
@@ -379,21 +377,19 @@ def test_checkpoint_every_auto_saves_at_youngs_interval(bert_data, tmp_path):
     argv = [
         sys.executable,
         "train.py",
-        "--config",
-        "smoke",
-        f"run.dir={run_dir}",
-        f"data.train={data['train']}",
-        f"data.eval={data['eval']}",
-        f"data.vocab={data['vocab']}",
-        "train.global_batch=8",
-        "train.micro_batch=4",
-        "train.steps=14",
-        "train.eval_every=0",
-        "train.eval_samples=16",
-        "logging.warmup_steps=2",
-        "checkpoint.every=auto",
-        "checkpoint.mtbf_hours=0.01",
-        "checkpoint.keep=20",
+        *smoke(
+            data,
+            run_dir,
+            "train.global_batch=8",
+            "train.micro_batch=4",
+            "train.steps=14",
+            "train.eval_every=0",
+            "train.eval_samples=16",
+            "logging.warmup_steps=2",
+            "checkpoint.every=auto",
+            "checkpoint.mtbf_hours=0.01",
+            "checkpoint.keep=20",
+        ),
     ]
     r = subprocess.run(argv, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]

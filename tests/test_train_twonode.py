@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, run_env, smoke
 from tests.netns import SUBNET, kill_namespace_processes, two_nodes, unavailable_reason
 from tests.test_train import losses
 
@@ -80,13 +80,9 @@ def wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
 
 
 def train_args(data, run_dir: Path, *extra: str) -> list[str]:
-    return [
-        "--config",
-        "smoke",
-        f"run.dir={run_dir}",
-        f"data.train={data['train']}",
-        f"data.eval={data['eval']}",
-        f"data.vocab={data['vocab']}",
+    return smoke(
+        data,
+        run_dir,
         "train.global_batch=16",
         "train.micro_batch=4",
         "logging.every=1",
@@ -95,7 +91,7 @@ def train_args(data, run_dir: Path, *extra: str) -> list[str]:
         "deepspeed.zero_stage=2",
         "deepspeed.timeout_s=60",
         *extra,
-    ]
+    )
 
 
 def test_two_node_training_then_node_failure_and_restart(bert_data, tmp_path):
