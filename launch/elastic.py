@@ -300,7 +300,11 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, g
     # address if the agents share their rendezvous store with the workers: the others built it in their first
     # round and never publish it again (torch 2.13, dynamic_rendezvous.next_rendezvous). Opt out of sharing.
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", SUPERVISED_ENV: "1"}
-    agent = subprocess.Popen(cmd, cwd=REPO, env=env, start_new_session=True)  # signals come through us, once
+    # The agent and its ranks run where this command was started, as under torchrun or the deepspeed launcher:
+    # relative paths (run.dir, data.*, --config) name the same files for the ranks as for this process, which
+    # follows run.dir's events. This repository's packages come first on their path.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    agent = subprocess.Popen(cmd, env=env, start_new_session=True)  # signals come through us, once
     seen: dict[int, psutil.Process] = {}
 
     def forward(signum, frame) -> None:  # noqa: ARG001

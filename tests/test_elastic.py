@@ -332,9 +332,10 @@ def test_events_file_round_trip_and_torn_line(tmp_path: Path) -> None:
 
 
 def test_bad_input_is_not_retried(bert_data, tmp_path):
-    # the data directory is missing: every start would fail the same way, so the job ends at the first, exit 2
-    argv = elastic(tmp_path / "run", bert_data, f"data.train={tmp_path / 'nope'}", restarts=3)
-    r = subprocess.run(argv, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=180)
+    """The data directory is missing: every start would fail the same way, so the job ends at the first, exit 2.
+    Started outside the repository with a relative run.dir: the ranks write the events this process reads."""
+    argv = elastic(Path("run"), bert_data, f"data.train={tmp_path / 'nope'}", restarts=3)
+    r = subprocess.run(argv, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=180)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout + r.stderr
     assert "Traceback" not in out, out[-3000:]  # the agent is ended without its own report
