@@ -252,3 +252,6 @@ def test_out_of_memory_line_names_the_micro_batch_the_peak_and_half() -> None:
     assert text.startswith("train.micro_batch=48 runs out of device memory on rank ") and "\n" not in text
     assert " GiB of " in text and text.endswith("; try train.micro_batch=24")
     assert str(out_of_memory(1)).endswith("try train.micro_batch=1")
+    assert str(out_of_memory(8, "evaluation")).startswith(
+        "train.micro_batch=8 runs out of device memory in evaluation on"
+    )

@@ -318,17 +318,18 @@ MEMORY_CAP_ENV = "WIKIPRETRAIN_DEVICE_MEMORY_GIB"
 smaller one."""
 
 
-def out_of_memory(micro_batch: int) -> RankError:
-    """The one line of a micro-batch that ran out of device memory: this rank's peak, of how much, and half the
-    micro-batch to try (``train.global_batch`` stays: the accumulation steps follow)."""
+def out_of_memory(micro_batch: int, during: str = "") -> RankError:
+    """The one line of a micro-batch that ran out of device memory (``during``: where, when not in a training
+    step): this rank's peak, of how much, and half the micro-batch to try (``train.global_batch`` stays: the
+    accumulation steps follow; evaluation runs at the same micro-batch)."""
     from deepspeed.accelerator import get_accelerator
 
     acc, gib = get_accelerator(), 1 << 30
     peak, total = acc.max_memory_allocated() / gib, acc.total_memory() / gib
     cap = os.environ.get(MEMORY_CAP_ENV)  # checked by training.engine.cap_device_memory at bind time
     total = min(total, float(cap)) if cap else total
-    rank = os.environ.get("RANK", "0")
+    rank, where = os.environ.get("RANK", "0"), f" in {during}" if during else ""
     return RankError(
-        f"train.micro_batch={micro_batch} runs out of device memory on rank {rank} ({device_name()}): peak "
-        f"{peak:.1f} GiB of {total:.1f} GiB; try train.micro_batch={max(1, micro_batch // 2)}"
+        f"train.micro_batch={micro_batch} runs out of device memory{where} on rank {rank} ({device_name()}): "
+        f"peak {peak:.1f} GiB of {total:.1f} GiB; try train.micro_batch={max(1, micro_batch // 2)}"
     )

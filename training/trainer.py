@@ -266,7 +266,10 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        result = evaluate(self.engine, self.eval_set, self.device)
+        try:
+            result = evaluate(self.engine, self.eval_set, self.device)
+        except torch.OutOfMemoryError:
+            raise out_of_memory(self.cfg.micro_batch, "evaluation") from None
         self.clock.eval_s += time.perf_counter() - t0
         return result
 
