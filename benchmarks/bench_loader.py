@@ -68,7 +68,9 @@ def setup(kind: str, tiny: bool) -> tuple[int, int, int]:
 
 
 def env() -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    """The children's: this repository first on their path, then the caller's (where streaming may be)."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
 
 
 # ------------------------------------------------------------------------------------------------- data
