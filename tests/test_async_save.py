@@ -142,10 +142,10 @@ def _peer_lost_main(rank: int, ckpt: str, out: str, port: int) -> None:
     save = saving.BackgroundSave(Path(ckpt), 10, 0, [({"w": torch.ones(4)}, str(tag_dir / "part.pt"))], {"step": 10})
     try:
         save.finish(keep=3, on_commit=lambda tag: events.record(Path(out), "checkpoint", step=10, tag=tag))
-        error = None
-    except RuntimeError as e:  # train.py ends the rank here (peer lost)
-        error = str(e)
-    Path(out, "rank0.json").write_text(json.dumps({"error": error}))
+        why = None
+    except RuntimeError as e:  # train.py ends the rank here, with this reason
+        why = collectives.peer_lost(e) or f"not a lost peer: {e}"
+    Path(out, "rank0.json").write_text(json.dumps({"why": why}))
     os._exit(0)  # no teardown: it would wait on the peer that is gone
 
 
@@ -155,7 +155,8 @@ def test_a_peer_lost_in_the_commit_vote_leaves_the_commit_with_its_event(tmp_pat
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
     run_in_ranks(_peer_lost_main, (str(ckpt), str(out), free_port()), nprocs=2, timeout=120)
-    assert json.loads((out / "rank0.json").read_text())["error"], "the vote on the commit found no peer lost"
+    why = json.loads((out / "rank0.json").read_text())["why"]
+    assert why and not why.startswith("not a lost peer"), f"the vote on the commit: {why}"
     assert checkpoint.latest_complete(ckpt) == "step00000010"
     assert [(e["event"], e["tag"]) for e in events.read(out)] == [("checkpoint", "step00000010")]
 

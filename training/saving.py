@@ -48,9 +48,9 @@ from training.checkpoint import (
 )
 
 OnCommit = Callable[[str], None] | None
-"""Called on rank 0 with the tag as soon as its commit is on disk, before the ranks vote on it: the run's
-``checkpoint`` event is written there, so that a peer lost during that vote cannot leave a committed tag
-(which the next start resumes from) without its event."""
+"""Called once on rank 0 with the tag as soon as ``latest`` names it (the next start resumes from it): before old
+tags are removed and before the ranks vote on the commit. The run's ``checkpoint`` event is written there, so
+that neither a peer lost in that vote nor a failure after the rename leaves a resumable tag without its event."""
 
 
 def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: int, on_commit: OnCommit = None) -> str:
@@ -111,12 +111,19 @@ def _try_commit(ckpt_dir: Path, tag: str, keep: int, rank: int, on_commit: OnCom
     """Rank 0 commits; the error (one line) if it could not, None otherwise and on other ranks."""
     if rank != 0:
         return None
+    told: list[bool] = []
+
+    def committed() -> None:
+        if on_commit is not None and not told:
+            told.append(True)
+            on_commit(tag)
+
     try:
-        _commit(ckpt_dir, tag, keep)
+        _commit(ckpt_dir, tag, keep, committed)
     except OSError as e:
+        if read_latest(ckpt_dir) == tag:  # renamed before the failure: the tag is whole (see _give_up)
+            committed()
         return describe_write_error(e, ckpt_dir)
-    if on_commit is not None:
-        on_commit(tag)
     return None
 
 
@@ -129,13 +136,14 @@ def _voted_commit(ckpt_dir: Path, tag: str, keep: int, rank: int, on_commit: OnC
         raise UserError(_failed_save(ckpt_dir, tag, failed))
 
 
-def _commit(ckpt_dir: Path, tag: str, keep: int) -> None:
-    """Rank 0, once every rank's files of ``tag`` are durable: COMPLETE (listing them), then ``latest``;
-    older tags beyond ``keep`` and their universal conversions go."""
+def _commit(ckpt_dir: Path, tag: str, keep: int, committed: Callable[[], None]) -> None:
+    """Rank 0, once every rank's files of ``tag`` are durable: COMPLETE (listing them), then ``latest``
+    (``committed`` is called then); older tags beyond ``keep`` and their universal conversions go."""
     atomic_write_json(ckpt_dir / tag / COMPLETE, {"files": tag_files(ckpt_dir / tag)})
     fsync_dir(ckpt_dir / tag)
     atomic_write_text(ckpt_dir / LATEST, tag + "\n")
     fsync_dir(ckpt_dir)
+    committed()
     for old in complete_tags(ckpt_dir)[:-keep]:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
     kept = set(complete_tags(ckpt_dir))
