@@ -32,26 +32,28 @@ def evaluate(engine, eval_set, device: torch.device) -> dict[str, float]:
         "lm_loss_x_tokens",
     )
     sums = torch.zeros(len(keys), dtype=torch.float64, device=device)
-    for batch in eval_set:
-        batch = to_device(batch, device)
-        out = engine(**batch)
-        n = float(batch["input_ids"].size(0))
-        pieces = {"n": n, "loss_x_n": out["loss"].double() * n}
-        for k in ("mlm_loss", "nsp_loss"):
-            if k in out:
-                pieces[f"{k}_x_n"] = out[k].double() * n
-        for k in ("mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "tokens"):
-            if k in out:
-                pieces[k] = out[k]
-        if "tokens" in out:
-            pieces["lm_loss_x_tokens"] = out["lm_loss"].double() * out["tokens"].double()
-        for i, k in enumerate(keys):
-            if k in pieces:
-                sums[i] += pieces[k]
+    try:
+        for batch in eval_set:
+            batch = to_device(batch, device)
+            out = engine(**batch)
+            n = float(batch["input_ids"].size(0))
+            pieces = {"n": n, "loss_x_n": out["loss"].double() * n}
+            for k in ("mlm_loss", "nsp_loss"):
+                if k in out:
+                    pieces[f"{k}_x_n"] = out[k].double() * n
+            for k in ("mlm_correct", "mlm_count", "nsp_correct", "nsp_count", "tokens"):
+                if k in out:
+                    pieces[k] = out[k]
+            if "tokens" in out:
+                pieces["lm_loss_x_tokens"] = out["lm_loss"].double() * out["tokens"].double()
+            for i, k in enumerate(keys):
+                if k in pieces:
+                    sums[i] += pieces[k]
+    finally:
+        engine.train()  # also when a batch fails (out of memory: the line the caller raises)
     sums = sums.to(collectives.comm_device())
     collectives.all_reduce_(sums, "sum")
     total = dict(zip(keys, sums.tolist()))
-    engine.train()
     if total["n"] == 0:
         return {}
     result = {"eval_loss": total["loss_x_n"] / total["n"]}

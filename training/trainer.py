@@ -371,14 +371,14 @@ class Trainer:
             self.last_loss = reduction.values["loss"]
         perf = self.performance()
         ckpt.finish_pending()  # committed before the run ends, or its failure raised on every rank
+        step = self.state.step
+        if step != ckpt.last_saved and (stopped != "sigterm" or ckpt.fits_after_sigterm(step, self.stop.at)):
+            ckpt.save(step, self.progress())  # before the final evaluation, which can fail (out of memory)
         if not stopped and self.eval_set is not None:
             self.last_eval = self.evaluate()
             if self.last_eval:
                 log.info("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items()))
-                self.logbook.write({"step": self.state.step, **self.last_eval})
-        step = self.state.step
-        if step != ckpt.last_saved and (stopped != "sigterm" or ckpt.fits_after_sigterm(step, self.stop.at)):
-            ckpt.save(step, self.progress())
+                self.logbook.write({"step": step, **self.last_eval})
         return {
             **perf,
             **self.clock.breakdown(),
