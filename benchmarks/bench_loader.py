@@ -30,8 +30,9 @@ same shards without a manifest (every rank opens every shard, as before format 2
 (one pass over the sample is enough data).
 
 Needs ``mosaicml-streaming`` (``pip install --no-deps mosaicml-streaming xxhash zstd brotli python-snappy
-cramjam catalogue``; its own dependencies would replace torch); without it, ours is measured alone (and
-says so). Its package imports its torchvision datasets at import time; where no torchvision build matches
+cramjam catalogue``; its own dependencies would replace torch and transformers), into the venv or apart
+(``--target DIR``, then run with ``PYTHONPATH=DIR``: the children keep it); without it, ours is measured alone
+(and says so). Its package imports its torchvision datasets at import time; where no torchvision build matches
 the installed torch (this CPU machine), the streaming process puts an empty ``torchvision`` module in place
 first; streaming's text datasets and MDS reader do not use it. Builds its data from the enwiki sample
 (../shared's real vocabulary and tokenizer when present).
