@@ -441,24 +441,7 @@ def bert_data(tmp_path_factory, wiki_text_dir, wiki_vocab) -> dict[str, Path]:
     out = {"vocab": Path(wiki_vocab)}
     for name, text, dupe in (("train", train_text, "2"), ("eval", eval_text, "1")):
         res = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "data",
-                "bert",
-                "--text",
-                str(text),
-                "--vocab",
-                str(wiki_vocab),
-                "--out",
-                str(root / name),
-                "--seq-len",
-                "128",
-                "--max-pred",
-                "20",
-                "--dupe-factor",
-                dupe,
-            ],
+            data_bert(text, wiki_vocab, root / name, "--seq-len", "128", "--max-pred", "20", "--dupe-factor", dupe),
             cwd=REPO,
             env=run_env(),
             capture_output=True,
@@ -504,6 +487,11 @@ def shares_one_gpu() -> bool:
     import torch
 
     return torch.cuda.device_count() == 1
+
+
+def data_bert(text: Path, vocab: Path, out: Path, *flags: str, python: str = sys.executable) -> list[str]:
+    """The command that writes BERT shards of the text files in ``text`` to ``out`` (``python -m data bert``)."""
+    return [python, "-m", "data", "bert", "--text", str(text), "--vocab", str(vocab), "--out", str(out), *flags]
 
 
 def smoke(data: dict[str, Path], run_dir: Path, *settings: str) -> list[str]:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from launch.bundle import MANIFEST, check_platforms, parse_have_line, read_have
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, data_bert, run_env
 
 # Packages the target lacks: the bundle must carry these (plus the project).
 MISSING = ["deepspeed", "hjson", "tqdm", "einops"]
@@ -265,24 +265,7 @@ def test_offline_install_and_cpu_run(bundle, tmp_path, wiki_text_dir, wiki_vocab
     shutil.copy2(first, text / first.name)
     shards = tmp_path / "shards"
     res = subprocess.run(
-        [
-            py,
-            "-m",
-            "data",
-            "bert",
-            "--text",
-            str(text),
-            "--vocab",
-            str(wiki_vocab),
-            "--out",
-            str(shards),
-            "--seq-len",
-            "128",
-            "--max-pred",
-            "20",
-            "--dupe-factor",
-            "1",
-        ],
+        data_bert(text, wiki_vocab, shards, "--seq-len", "128", "--max-pred", "20", "--dupe-factor", "1", python=py),
         cwd=app,
         capture_output=True,
         text=True,

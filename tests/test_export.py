@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO, SHARED_DATA, run_env, start_ranks
+from tests.conftest import REPO, SHARED_DATA, data_bert, run_env, start_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -124,17 +124,10 @@ def bert_run(tmp_path_factory, wiki_text_dir, bert_vocab) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("bertexport")
     shards = root / "shards"
     res = _run(
-        [
-            sys.executable,
-            "-m",
-            "data",
-            "bert",
-            "--text",
-            str(wiki_text_dir),
-            "--vocab",
-            str(bert_vocab),
-            "--out",
-            str(shards),
+        data_bert(
+            wiki_text_dir,
+            bert_vocab,
+            shards,
             "--seq-len",
             "128",
             "--max-pred",
@@ -142,7 +135,7 @@ def bert_run(tmp_path_factory, wiki_text_dir, bert_vocab) -> dict[str, Path]:
             "--dupe-factor",
             "1",
             "--no-progress",
-        ]
+        )
     )
     assert res.returncode == 0, res.stderr[-3000:]
     ckpt = _train(

@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from common.errors import UserError
 from common.net import free_port
 from data.h5format import BERT_SCHEMA
 from data.loader import EvalSet, PretrainingLoader
-from tests.conftest import REPO, run_env, run_in_ranks
+from tests.conftest import REPO, data_bert, run_env, run_in_ranks
 
 NAMES = list(BERT_SCHEMA)  # the datasets of a BERT shard, NVIDIA's names and order
 ORDER = {"unit_rows": 16}  # many units even on the small sample
@@ -65,25 +64,9 @@ def take_steps(it, steps: int, grad_accum: int) -> list[list[str]]:
 def shards(wiki_text_dir: Path, wiki_vocab: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("loader") / "bert"
     p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "data",
-            "bert",
-            "--text",
-            str(wiki_text_dir),
-            "--vocab",
-            str(wiki_vocab),
-            "--out",
-            str(out),
-            "--dupe-factor",
-            "1",
-            "--shards",
-            "3",
-            "--seed",
-            "3",
-            "--no-progress",
-        ],
+        data_bert(
+            wiki_text_dir, wiki_vocab, out, "--dupe-factor", "1", "--shards", "3", "--seed", "3", "--no-progress"
+        ),
         cwd=REPO,
         env=run_env(),
         capture_output=True,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from model import unpad
 from model.build import build_model
 from model.flops import _layer_and_head_params, training_flops_of_lengths, training_flops_per_token
 from model.registry import BertSpec, get_spec
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, data_bert, run_env
 
 BATCH_KEYS = {
     "input_ids",
@@ -36,23 +35,7 @@ FP32_EPS = 2.0**-23  # a relative error below FP32's rounding counts as that rou
 def shards(wiki_text_dir: Path, wiki_vocab: Path, tmp_path_factory) -> Path:
     """Seq-128 BERT shards of the enwiki sample (``python -m data bert``, as the loader tests build them)."""
     out = tmp_path_factory.mktemp("unpad") / "bert"
-    cmd = [
-        sys.executable,
-        "-m",
-        "data",
-        "bert",
-        "--text",
-        str(wiki_text_dir),
-        "--vocab",
-        str(wiki_vocab),
-        "--out",
-        str(out),
-        "--dupe-factor",
-        "1",
-        "--seed",
-        "5",
-        "--no-progress",
-    ]
+    cmd = data_bert(wiki_text_dir, wiki_vocab, out, "--dupe-factor", "1", "--seed", "5", "--no-progress")
     p = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     return out
