@@ -55,6 +55,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common.packages import python_path  # noqa: E402
+
 SHARED = REPO.parent / "shared" / "data"
 SETUP = {  # kind -> (seq_len, global batch, micro-batch); gradient accumulation fills the batch at W ranks
     "bert": (128, 65536, 64),  # NVIDIA's phase 1
@@ -70,8 +72,7 @@ def setup(kind: str, tiny: bool) -> tuple[int, int, int]:
 
 def env() -> dict[str, str]:
     """The children's: this repository first on their path, then the caller's (where streaming may be)."""
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    return dict(os.environ, PYTHONPATH=python_path(str(REPO)), OMP_NUM_THREADS="1")
 
 
 # ------------------------------------------------------------------------------------------------- data

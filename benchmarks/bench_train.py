@@ -85,6 +85,7 @@ sys.path.insert(0, str(REPO))
 
 from common.errors import UserError, run_cli  # noqa: E402
 from common.log import get_logger  # noqa: E402
+from common.packages import python_path  # noqa: E402
 
 log = get_logger("bench_train")
 
@@ -155,8 +156,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def subprocess_env(threads: int, extra_path: str | None = None) -> dict[str, str]:
     """The project importable, thread counts pinned, no hub access."""
     env = dict(os.environ)
-    paths = [str(REPO)] + ([extra_path] if extra_path else []) + [env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    env["PYTHONPATH"] = python_path(str(REPO), extra_path or "")
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     env["HF_HUB_OFFLINE"] = "1"
     env["TOKENIZERS_PARALLELISM"] = "false"

@@ -1,6 +1,8 @@
-"""What is installed here."""
+"""What is installed here, and where a child process imports from."""
 
 from __future__ import annotations
+
+import os
 
 
 def installed_version(name: str) -> str | None:
@@ -11,3 +13,8 @@ def installed_version(name: str) -> str | None:
         return version(name)
     except PackageNotFoundError:
         return None
+
+
+def python_path(*first: str) -> str:
+    """A child's ``PYTHONPATH``: ``first`` ahead of this process's own entries (empty ones left out)."""
+    return os.pathsep.join(p for p in (*first, os.environ.get("PYTHONPATH", "")) if p)

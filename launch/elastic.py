@@ -51,6 +51,7 @@ from pathlib import Path
 import psutil
 
 from common.errors import EXIT_USER_ERROR, SUPERVISED_ENV, UserError
+from common.packages import python_path
 from training import events
 from training.config import Config, gradient_accumulation, load_config
 
@@ -303,7 +304,7 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, g
     # The agent and its ranks run where this command was started, as under torchrun or the deepspeed launcher:
     # relative paths (run.dir, data.*, --config) name the same files for the ranks as for this process, which
     # follows run.dir's events. This repository's packages come first on their path.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = python_path(str(REPO))
     agent = subprocess.Popen(cmd, env=env, start_new_session=True)  # signals come through us, once
     seen: dict[int, psutil.Process] = {}
 
