@@ -111,18 +111,17 @@ def _try_commit(ckpt_dir: Path, tag: str, keep: int, rank: int, on_commit: OnCom
     """Rank 0 commits; the error (one line) if it could not, None otherwise and on other ranks."""
     if rank != 0:
         return None
-    told: list[bool] = []
-
-    def committed() -> None:
-        if on_commit is not None and not told:
-            told.append(True)
-            on_commit(tag)
-
     try:
-        _commit(ckpt_dir, tag, keep, committed)
+        _commit(ckpt_dir, tag)
     except OSError as e:
-        if read_latest(ckpt_dir) == tag:  # renamed before the failure: the tag is whole (see _give_up)
-            committed()
+        if on_commit is not None and read_latest(ckpt_dir) == tag:  # renamed before the failure: whole (_give_up)
+            on_commit(tag)
+        return describe_write_error(e, ckpt_dir)
+    if on_commit is not None:
+        on_commit(tag)
+    try:
+        _remove_old(ckpt_dir, keep)
+    except OSError as e:
         return describe_write_error(e, ckpt_dir)
     return None
 
@@ -136,14 +135,16 @@ def _voted_commit(ckpt_dir: Path, tag: str, keep: int, rank: int, on_commit: OnC
         raise UserError(_failed_save(ckpt_dir, tag, failed))
 
 
-def _commit(ckpt_dir: Path, tag: str, keep: int, committed: Callable[[], None]) -> None:
-    """Rank 0, once every rank's files of ``tag`` are durable: COMPLETE (listing them), then ``latest``
-    (``committed`` is called then); older tags beyond ``keep`` and their universal conversions go."""
+def _commit(ckpt_dir: Path, tag: str) -> None:
+    """Rank 0, once every rank's files of ``tag`` are durable: COMPLETE (listing them), then ``latest``."""
     atomic_write_json(ckpt_dir / tag / COMPLETE, {"files": tag_files(ckpt_dir / tag)})
     fsync_dir(ckpt_dir / tag)
     atomic_write_text(ckpt_dir / LATEST, tag + "\n")
     fsync_dir(ckpt_dir)
-    committed()
+
+
+def _remove_old(ckpt_dir: Path, keep: int) -> None:
+    """After a commit: complete tags beyond the newest ``keep`` and universal conversions of removed tags go."""
     for old in complete_tags(ckpt_dir)[:-keep]:
         shutil.rmtree(ckpt_dir / old, ignore_errors=True)
     kept = set(complete_tags(ckpt_dir))
