@@ -310,10 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         os._exit(EXIT_PEER_LOST)  # no teardown: it would wait on the peer that is not answering
     finally:
-        import torch.distributed as dist
+        from common.process import end_process_group
 
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        end_process_group()
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ def worker(model: str, side: str, out: Path) -> None:
     import deepspeed
     import torch
 
+    from common.process import end_process_group
     from model.build import build_model
     from training.engine import no_shm_all_reduce, quiet
     from training.zero_init import build_partitioned, local_numel
@@ -58,34 +59,37 @@ def worker(model: str, side: str, out: Path) -> None:
     quiet()
     no_shm_all_reduce()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    rank = deepspeed.comm.get_rank()
-    torch.manual_seed(0)
-    before = rss_kib("VmRSS")
-    t0 = time.perf_counter()
-    if side == "full":
-        built = build_model(model)
-    elif side == "ours":
-        built = build_partitioned(model, DS_CONFIG)
-    else:
-        from transformers import AutoModelForCausalLM
-        from transformers.integrations import HfDeepSpeedConfig
+    try:
+        rank = deepspeed.comm.get_rank()
+        torch.manual_seed(0)
+        before = rss_kib("VmRSS")
+        t0 = time.perf_counter()
+        if side == "full":
+            built = build_model(model)
+        elif side == "ours":
+            built = build_partitioned(model, DS_CONFIG)
+        else:
+            from transformers import AutoModelForCausalLM
+            from transformers.integrations import HfDeepSpeedConfig
 
-        from model.neox import hf_config
-        from model.registry import get_spec
+            from model.neox import hf_config
+            from model.registry import get_spec
 
-        keep = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841  (transformers reads it through a weak reference)
-        built = AutoModelForCausalLM.from_config(hf_config(get_spec(model)))
-    took = time.perf_counter() - t0
-    held, whole = local_numel(built)
-    record = {
-        "rank": rank,
-        "peak_mib": rss_kib("VmHWM") / 1024,
-        "before_mib": before / 1024,
-        "build_s": took,
-        "held": held,
-        "whole": whole,
-    }
-    (out / f"{side}-{rank}.json").write_text(json.dumps(record))
+            keep = HfDeepSpeedConfig(DS_CONFIG)  # noqa: F841  (transformers reads it through a weak reference)
+            built = AutoModelForCausalLM.from_config(hf_config(get_spec(model)))
+        took = time.perf_counter() - t0
+        held, whole = local_numel(built)
+        record = {
+            "rank": rank,
+            "peak_mib": rss_kib("VmHWM") / 1024,
+            "before_mib": before / 1024,
+            "build_s": took,
+            "held": held,
+            "whole": whole,
+        }
+        (out / f"{side}-{rank}.json").write_text(json.dumps(record))
+    finally:
+        end_process_group()
 
 
 def run_side(model: str, ranks: int, side: str, work: Path) -> list[dict]:
@@ -140,10 +144,12 @@ def main(argv: list[str] | None = None) -> int:
             took = max(r["build_s"] for r in recs)
             held = max(r["held"] for r in recs)
             print(
-                f"{model:<11} {ranks:>5} {side:<5} {peak:>20,.0f} {before:>8,.0f} {took:>8.1f} {held:>17,}", flush=True
+                f"{model:<11} {ranks:>5} {side:<5} {peak:>20,.0f} {before:>8,.0f} {took:>8.2f} {held:>17,}", flush=True
             )
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from common.process import exit_fast
+
+    exit_fast(main())  # a worker also leaves without C++ teardown (its group is ended already)

@@ -218,10 +218,28 @@ def child_rate(a: argparse.Namespace) -> dict:
     """The last rank of W with one DataLoader worker: start-up, samples/s, peak RSS."""
     import torch  # noqa: F401
 
+    t0 = time.perf_counter()
+    if a.loader == "ours":
+        return _rate(a, t0)
+    import torch.distributed as dist
+
+    from common.net import free_port
+    from common.process import end_process_group
+
+    # streaming's only collective is a barrier at construction; a one-member group stands in for the W - 1
+    # ranks not run, and the environment tells streaming which rank of W this is
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        return _rate(a, t0)
+    finally:
+        end_process_group()
+
+
+def _rate(a: argparse.Namespace, t0: float) -> dict:
     seq, G, mb = setup(a.kind, a.tiny)
     ga = G // (mb * a.world)
     rank = a.world - 1
-    t0 = time.perf_counter()
     if a.loader == "ours":
         from data.loader import PretrainingLoader
 
@@ -230,14 +248,6 @@ def child_rate(a: argparse.Namespace) -> dict:
         )
         it = iter(ld)
     else:
-        import torch.distributed as dist
-
-        from common.net import free_port
-
-        # streaming's only collective is a barrier at construction; a one-member group stands in for the
-        # W - 1 ranks not run, and the environment tells streaming which rank of W this is
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
         os.environ.update(WORLD_SIZE=str(a.world), RANK=str(rank), LOCAL_WORLD_SIZE="1", LOCAL_RANK="0")
         install_torchvision_placeholder()
         from streaming import StreamingDataset

@@ -33,3 +33,16 @@ def exit_fast(rc: int | None) -> NoReturn:
     with contextlib.suppress(OSError, AttributeError):  # no C library to ask: nothing of C's to flush
         ctypes.CDLL(None).fflush(None)
     os._exit(int(rc or 0))
+
+
+def end_process_group() -> None:
+    """Destroy this process's default process group, if it has one: its C++ threads (gloo's workers, the
+    store's) are joined here, while the interpreter still runs. One left to interpreter teardown can be
+    destroyed while still joinable, and the process dies of SIGABRT (``terminate called without an active
+    exception``) after its work is done: a benchmark's or a test's worker then reads as failed. Every process
+    that starts a group ends it in a ``finally`` with this (``tests/test_process_groups.py`` holds the code to
+    it), or leaves through :func:`exit_fast` / ``os._exit``, which run no C++ destructor."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

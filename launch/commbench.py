@@ -190,11 +190,12 @@ def format_table(results: list[dict[str, Any]], world: int) -> str:
 
 
 def run_rank(args: argparse.Namespace) -> int:
-    """The benchmark body, in every rank started by the DeepSpeed launcher."""
+    """The benchmark, in every rank started by the DeepSpeed launcher: its process group, ended here."""
     import deepspeed
-    import deepspeed.comm as dist
     import torch
     from deepspeed.accelerator import get_accelerator
+
+    from common.process import end_process_group
 
     accel = get_accelerator()
     on_cpu = accel.device_name() == "cpu"
@@ -204,6 +205,20 @@ def run_rank(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         no_shm_all_reduce()  # nothing left in /dev/shm
     deepspeed.init_distributed(timeout=timedelta(seconds=args.timeout_s), verbose=False)
+    try:
+        return _bench(args, on_cpu)
+    finally:
+        end_process_group()
+
+
+def _bench(args: argparse.Namespace, on_cpu: bool) -> int:
+    """The measurements, in a rank whose process group is up."""
+    import deepspeed
+    import deepspeed.comm as dist
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
     rank, world = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if not on_cpu:
@@ -287,7 +302,6 @@ def run_rank(args: argparse.Namespace) -> int:
                 },
             )
     collectives.barrier()
-    dist.destroy_process_group()
     return 0
 
 

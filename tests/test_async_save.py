@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from common.errors import UserError
 from common.net import free_port
+from common.process import end_process_group
 from tests.conftest import run_in_ranks
 from training import checkpoint, collectives, events, saving
 from training.trainer import StepReduction
@@ -134,19 +135,22 @@ def _peer_lost_main(rank: int, ckpt: str, out: str, port: int) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=30))
-    if rank == 1:
-        collectives.first_failure(None)  # the vote on the writes
-        os._exit(0)  # gone before the vote on the commit
-    tag_dir = Path(ckpt) / checkpoint.tag_for(10)
-    tag_dir.mkdir(parents=True)
-    save = saving.BackgroundSave(Path(ckpt), 10, 0, [({"w": torch.ones(4)}, str(tag_dir / "part.pt"))], {"step": 10})
     try:
-        save.finish(keep=3, on_commit=lambda tag: events.record(Path(out), "checkpoint", step=10, tag=tag))
-        why = None
-    except RuntimeError as e:  # train.py ends the rank here, with this reason
-        why = collectives.peer_lost(e) or f"not a lost peer: {e}"
-    Path(out, "rank0.json").write_text(json.dumps({"why": why}))
-    os._exit(0)  # no teardown: it would wait on the peer that is gone
+        if rank == 1:
+            collectives.first_failure(None)  # the vote on the writes
+            os._exit(0)  # gone before the vote on the commit
+        tag_dir = Path(ckpt) / checkpoint.tag_for(10)
+        tag_dir.mkdir(parents=True)
+        state = [({"w": torch.ones(4)}, str(tag_dir / "part.pt"))]
+        save = saving.BackgroundSave(Path(ckpt), 10, 0, state, {"step": 10})
+        try:
+            save.finish(keep=3, on_commit=lambda tag: events.record(Path(out), "checkpoint", step=10, tag=tag))
+            why = None
+        except RuntimeError as e:  # train.py ends the rank here, with this reason
+            why = collectives.peer_lost(e) or f"not a lost peer: {e}"
+        Path(out, "rank0.json").write_text(json.dumps({"why": why}))
+    finally:
+        end_process_group()
 
 
 def test_a_peer_lost_in_the_commit_vote_leaves_the_commit_with_its_event(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from common.atomic import atomic_path
+from common.process import end_process_group, exit_fast
 from training.engine import no_shm_all_reduce
 from training.lans import LAMB, LANS, attach_zero, param_groups
 from training.schedules import build_scheduler
@@ -100,15 +101,18 @@ def main() -> None:
 
     no_shm_all_reduce()  # nothing left in /dev/shm
     deepspeed.init_distributed(dist_backend="gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    gas = args.global_batch // (args.micro_batch * world)
-    assert gas * args.micro_batch * world == args.global_batch, "global batch must split evenly"
-    results = {spec: train_one(args, spec, world, rank, gas) for spec in args.runs.split(",")}
-    if rank == 0:
-        with atomic_path(args.out) as tmp:
-            torch.save(results, tmp)
-        print(json.dumps({spec: r["info"] for spec, r in results.items()}))
-    dist.barrier()
+    try:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        gas = args.global_batch // (args.micro_batch * world)
+        assert gas * args.micro_batch * world == args.global_batch, "global batch must split evenly"
+        results = {spec: train_one(args, spec, world, rank, gas) for spec in args.runs.split(",")}
+        if rank == 0:
+            with atomic_path(args.out) as tmp:
+                torch.save(results, tmp)
+            print(json.dumps({spec: r["info"] for spec, r in results.items()}))
+        dist.barrier()
+    finally:
+        end_process_group()
 
 
 def ds_config(args: argparse.Namespace, stage: int, dtype: str, gas: int) -> dict:
@@ -205,4 +209,4 @@ def train_one(args: argparse.Namespace, spec: str, world: int, rank: int, gas: i
 
 
 if __name__ == "__main__":
-    main()
+    exit_fast(main())

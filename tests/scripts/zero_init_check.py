@@ -18,6 +18,7 @@ import deepspeed
 import torch
 from transformers.initialization import no_init_weights
 
+from common.process import end_process_group, exit_fast
 from model.build import build_model
 from training.engine import no_shm_all_reduce
 from training.zero_init import build_partitioned, local_numel
@@ -73,24 +74,27 @@ def main() -> None:
     out = Path(sys.argv[-1])  # the launcher puts --local_rank first
     no_shm_all_reduce()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    rank = deepspeed.comm.get_rank()
-    result: dict = {"rank": rank, "memory": memory()}
-    for name in ("bert-debug", "neox-debug"):
-        want = reference(name)
-        got, (held, whole) = partitioned(name)
-        bad = sorted(k for k in want if k not in got or got[k].shape != want[k].shape)
-        diffs = {k: (got[k].float() - want[k].float()).abs().max().item() for k in want if k not in bad}
-        result[name] = {
-            "held": held,
-            "whole": whole,
-            "missing_or_reshaped": bad,
-            "mismatched": sorted(k for k, d in diffs.items() if d != 0),
-            "max_diff": max(diffs.values()),
-            "compared": len(diffs),
-            "std": {k: want[k].float().std().item() for k in want if want[k].numel() > 1 and "weight" in k},
-        }
-    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    try:
+        rank = deepspeed.comm.get_rank()
+        result: dict = {"rank": rank, "memory": memory()}
+        for name in ("bert-debug", "neox-debug"):
+            want = reference(name)
+            got, (held, whole) = partitioned(name)
+            bad = sorted(k for k in want if k not in got or got[k].shape != want[k].shape)
+            diffs = {k: (got[k].float() - want[k].float()).abs().max().item() for k in want if k not in bad}
+            result[name] = {
+                "held": held,
+                "whole": whole,
+                "missing_or_reshaped": bad,
+                "mismatched": sorted(k for k, d in diffs.items() if d != 0),
+                "max_diff": max(diffs.values()),
+                "compared": len(diffs),
+                "std": {k: want[k].float().std().item() for k in want if want[k].numel() > 1 and "weight" in k},
+            }
+        (out / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        end_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    exit_fast(main())
