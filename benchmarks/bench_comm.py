@@ -51,8 +51,8 @@ def main() -> int:
         q = peer_by_key[(r["op"], r["bytes"])]
         ratio = r["busbw_Bps"] / q["busbw_Bps"]
         print(
-            f"{r['op']:<15}{fmt_bytes(r['bytes']):>8}{r['busbw_Bps'] / 1e6:>28.1f}"
-            f"{q['busbw_Bps'] / 1e6:>31.1f}{ratio:>8.2f}"
+            f"{r['op']:<15}{fmt_bytes(r['bytes']):>8}{r['busbw_Bps'] / 1e6:>28.3f}"
+            f"{q['busbw_Bps'] / 1e6:>31.3f}{ratio:>8.2f}"
         )
     return 0
 

@@ -149,7 +149,7 @@ def part2(steps: int, model: str) -> None:
         f"micro-batch 8), median of {len(step_t)} steps"
     )
     print(f"{'training step s':>16}{'norm all-reduces s':>20}{'share':>8}")
-    print(f"{statistics.median(step_t):>16.3f}{statistics.median(comm_t):>20.5f}{100 * statistics.median(frac):>7.2f}%")
+    print(f"{statistics.median(step_t):>16.5f}{statistics.median(comm_t):>20.5f}{100 * statistics.median(frac):>7.2f}%")
 
 
 def main() -> int:

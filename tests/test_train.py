@@ -23,8 +23,11 @@ pytestmark = pytest.mark.slow
 
 
 def losses(run_dir: Path) -> dict[int, float]:
+    """Each step's loss in ``metrics.jsonl``; of a run still writing it, the lines it has ended (a line being
+    written is left for the next read)."""
+    text = (run_dir / "metrics.jsonl").read_text()
     out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    for line in text[: text.rfind("\n") + 1].splitlines():
         rec = json.loads(line)
         if "loss" in rec:
             out[rec["step"]] = rec["loss"]
