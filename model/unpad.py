@@ -10,22 +10,21 @@ calls each of them, so the parameters and their names are theirs (checkpoints an
 unchanged) and module hooks (ZeRO-3's parameter gathering) still fire. Activation checkpointing follows what
 ``gradient_checkpointing_enable`` set on each layer (``model.build``).
 
-Attention kernels, torch's own only (``model.unpad_attention`` picks one; ``default_kernel`` is auto):
+Attention kernels (``model.unpad_attention`` picks one; ``default_kernel`` is auto):
 
-* ``padded``, the default on CUDA and every other accelerator: the packed q/k/v are scattered into
-  ``[B, max_seqlen]`` for attention alone and run through one SDPA call with a key-padding mask (the
-  memory-efficient kernel on CUDA, as ``transformers``' padded forward); the linear layers still see only the
-  real tokens. ``B * max_seqlen**2`` attention work plus a scatter and a gather: at BERT's lengths attention is
-  a small share of the FLOPs, and the padding it computes is the batch's, a few per cent in phase 1.
+* ``varlen``, the default on CPU and on CUDA where flash runs: one registered operator,
+  ``model.attention`` (``torch.ops.wikipretrain.varlen_attn``): torch's flash variable-length kernel with
+  dropout on CUDA (BF16/FP16, compute capability >= 8.0, head size <= 256 and a multiple of 8), one sequence at a
+  time on the CPU (lengths from the host copy of ``cu_seqlens``: exactly ``sum(n_i**2)`` attention work).
+  Compiled code sees one opaque node. Not yet measured on a GPU.
+* ``padded``, the default on other accelerators and on CUDA where flash does not run (FP32, older cards): the
+  packed q/k/v are scattered into ``[B, max_seqlen]`` for attention alone and run through one SDPA call with a
+  key-padding mask (the memory-efficient kernel on CUDA, as ``transformers``' padded forward); the linear layers
+  still see only the real tokens. ``B * max_seqlen**2`` attention work plus a scatter and a gather.
 * ``jagged``: ``F.scaled_dot_product_attention`` on jagged nested tensors (``torch.nested``,
-  ``layout=torch.jagged``), the varlen flash or memory-efficient kernels by design. Measured on an H200
-  (bert-large, seq 128, micro-batch 128, BF16, torch 2.11, docs/gpu-notes.md): 373 sequences/s against 1,291
-  for the padded ``transformers`` forward of the same run, so it is no longer the CUDA default.
-  ``torch.nn.attention.varlen.varlen_attn`` is not used: it has no dropout, no FP32, and its signature changed
-  between releases.
-* ``loop``, the CPU default: one SDPA call per sequence on its slice of the packed rows (lengths from the host
-  copy of ``cu_seqlens``): exactly ``sum(n_i**2)`` attention work. Measured (one thread, CPU time, dropout 0.1)
-  faster than the jagged SDPA (a math fallback on CPU, several times slower) and than ``padded``.
+  ``layout=torch.jagged``). Measured on an H200 (bert-large, seq 128, micro-batch 128, BF16, torch 2.11,
+  docs/gpu-notes.md): 373 sequences/s against 1,291 for the padded ``transformers`` forward of the same run.
+  Kept for comparison.
 
 Host synchronisation: none when the batch carries the loader's ``unpad_indices`` / ``cu_seqlens`` /
 ``max_seqlen`` (``data.loader.unpadding_index``). ``max_seqlen`` is used only when it is a Python int or a CPU
@@ -35,7 +34,8 @@ SDPA never computes them from the offsets with ``.item()``. Without the keys the
 ``nonzero``: direct callers only).
 
 On a GPU: the jagged kernel trained in the GPU tier (bert-debug, LANS/AdamW, ZeRO-1/2, activation
-checkpointing) before ``padded`` became the CUDA default; ``padded`` on CUDA is not yet measured.
+checkpointing) before ``padded`` became the CUDA default; neither ``padded`` nor ``varlen`` on CUDA is measured
+yet.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ HOST_KEYS = frozenset({"max_seqlen", "min_seqlen"})
 """Keys a trainer should leave on the host when it moves a batch to the device (exact kernel sizes and the
 padded path's choice of mask, no sync). ``min_seqlen``: every BERT micro-batch's shortest row (the loader's)."""
 
-KERNELS = ("jagged", "loop", "padded")
+KERNELS = ("varlen", "padded", "jagged")
 
 
 @dataclass(frozen=True)
@@ -148,10 +148,17 @@ def nested(x: torch.Tensor, pack: Packing) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(x, offsets, min_seqlen=pack.min_seqlen, max_seqlen=pack.max_seqlen)
 
 
-def default_kernel(device: torch.device | str) -> str:
-    """``loop`` on CPU, ``padded`` on CUDA and other accelerators (see the module docstring); ``device`` is a
-    device or its type's name."""
-    return "loop" if (device if isinstance(device, str) else device.type) == "cpu" else "padded"
+def default_kernel(device: torch.device | str, dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
+    """``varlen`` on CPU, and on CUDA where the flash kernel runs for ``dtype`` and ``head_dim`` (both needed
+    to tell); ``padded`` elsewhere (see the module docstring). ``device`` is a device or its type's name."""
+    from model.attention import flash_usable
+
+    device = torch.device(device)
+    if device.type == "cpu":
+        return "varlen"
+    if dtype is not None and head_dim is not None and flash_usable(device, dtype, head_dim):
+        return "varlen"
+    return "padded"
 
 
 def varlen_attention(
@@ -159,21 +166,20 @@ def varlen_attention(
 ) -> torch.Tensor:
     """Softmax attention within each sequence of the packed ``[T, heads, head_dim]`` q/k/v; returns the same
     shape. Scale ``head_dim ** -0.5``, bidirectional."""
-    kernel = kernel or default_kernel(q.device)
+    kernel = kernel or default_kernel(q.device, q.dtype, q.size(-1))
+    if kernel == "varlen":
+        from model.attention import attention, flash_usable
+
+        if q.device.type != "cpu" and not flash_usable(q.device, q.dtype, q.size(-1)):
+            raise ValueError(
+                f"attention kernel varlen runs on the CPU, or on CUDA in BF16/FP16 on compute capability >= 8.0 "
+                f"with a head size <= 256 and a multiple of 8; not {q.device.type} {q.dtype} head size "
+                f"{q.size(-1)}: use padded"
+            )
+        return attention(q, k, v, pack.cu_seqlens, pack.max_seqlen, dropout_p)
     if kernel == "jagged":
         nq, nk, nv = (nested(x, pack).transpose(1, 2) for x in (q, k, v))  # [B, heads, j, head_dim]
         return F.scaled_dot_product_attention(nq, nk, nv, dropout_p=dropout_p).transpose(1, 2).values()
-    if kernel == "loop":
-        sizes = list(pack.lengths) if pack.lengths is not None else (pack.cu_seqlens.diff()).tolist()
-        outs = [
-            F.scaled_dot_product_attention(
-                a.transpose(0, 1), b.transpose(0, 1), c.transpose(0, 1), dropout_p=dropout_p
-            ).transpose(0, 1)
-            if len(a)
-            else a
-            for a, b, c in zip(q.split(sizes), k.split(sizes), v.split(sizes))
-        ]
-        return torch.cat(outs)
     if kernel != "padded":
         raise ValueError(f"attention kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
     t, heads, dim = q.shape

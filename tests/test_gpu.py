@@ -328,10 +328,11 @@ def test_lans_flat_partition_path_has_no_host_sync_on_the_gpu():
     torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
 
 
-def test_unpadded_bert_step_has_no_host_sync_on_the_gpu(bert_data):
-    """BERT on its real tokens with the accelerators' attention kernel (``padded``), forward and backward in
-    BF16 autocast, fed the loader's unpadding keys (their host copies: exact kernel sizes): no host sync in a
-    step (CUDA's sync-debug warnings counted by common.syncs)."""
+@pytest.mark.parametrize("kernel", ["varlen", "padded"])
+def test_unpadded_bert_step_has_no_host_sync_on_the_gpu(bert_data, kernel):
+    """BERT on its real tokens with each CUDA attention kernel (``varlen``: the flash operator, the default;
+    ``padded``), forward and backward in BF16 autocast, fed the loader's unpadding keys (their host copies: exact
+    kernel sizes): no host sync in a step (CUDA's sync-debug warnings counted by common.syncs)."""
     from common.syncs import count_host_syncs
     from data.loader import PretrainingLoader
     from model.build import build_model
@@ -344,7 +345,7 @@ def test_unpadded_bert_step_has_no_host_sync_on_the_gpu(bert_data):
     it = iter(loader)
     batches = [to_device(next(it), torch.device("cuda")) for _ in range(4)]  # moved before the counting
     model = build_model(get_spec("bert-debug", vocab_size=8000), unpad=True).cuda().train()
-    model.attention_kernel = "padded"  # what model.unpad_attention=auto takes on CUDA
+    model.attention_kernel = kernel
     feed = iter(batches)
 
     def step() -> None:
@@ -354,3 +355,62 @@ def test_unpadded_bert_step_has_no_host_sync_on_the_gpu(bert_data):
 
     syncs = count_host_syncs(step, steps=3, warmup=1)
     assert syncs.total == 0, syncs
+
+
+def _flash_case(lengths: list[int], heads: int, dim: int, dtype: torch.dtype, seed: int = 0):
+    from model.unpad import packing
+
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(sum(lengths), heads, dim, generator=g, dtype=torch.float64) for _ in range(3))
+    width = max(lengths)
+    mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths], device="cuda")
+    return [x.to("cuda", dtype).requires_grad_() for x in (q, k, v)], packing(mask)
+
+
+def test_flash_varlen_attention_against_padded_and_float64():
+    """The operator's flash branch (BF16, bert-large's 16 heads of 64, 24 sequences of 1-512 tokens) against
+    float64 written out, forward and gradients: no further than 2x the padded kernel's BF16 error; and the
+    installed torch's flash ops pass the schema check (the flash branch is on)."""
+    from model import attention as A
+    from model.unpad import default_kernel, varlen_attention
+
+    assert A.FLASH_SCHEMA_PROBLEM is None and A.flash_usable(torch.device("cuda"), torch.bfloat16, 64)
+    assert default_kernel("cuda", torch.bfloat16, 64) == "varlen"
+    lengths = torch.randint(1, 513, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    (q, k, v), pack = _flash_case(lengths, 16, 64, torch.bfloat16)
+    weight = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    ref = [x.detach().cpu().double().requires_grad_() for x in (q, k, v)]
+    outs, start = [], 0
+    for n in lengths:
+        a, b, c = (x[start : start + n].transpose(0, 1) for x in ref)
+        outs.append((torch.softmax(a @ b.transpose(-1, -2) / 8.0, -1) @ c).transpose(0, 1))
+        start += n
+    want = torch.cat(outs)
+    want_grads = torch.autograd.grad((want * weight).sum(), ref)
+    errors = {}
+    for kernel in ("varlen", "padded"):
+        out = varlen_attention(q, k, v, pack, 0.0, kernel)
+        got_grads = torch.autograd.grad((out.double() * weight.cuda()).sum(), (q, k, v))
+        errors[kernel] = [(out.double().cpu() - want).abs().max().item()]
+        errors[kernel] += [(g.double().cpu() - w).abs().max().item() for g, w in zip(got_grads, want_grads)]
+    print(f"max |error| vs float64 (out, dq, dk, dv): {errors}")
+    assert all(f <= 2 * p + 1e-3 for f, p in zip(errors["varlen"], errors["padded"])), errors
+
+
+def test_flash_varlen_dropout_keeps_one_minus_p():
+    """q = k = 0 makes every probability 1/n and v = the identity shows each kept one (1 / (n (1 - p))) and each
+    dropped one (0): over 16 heads x 4 sequences of 128 (1,048,576 probabilities) the kept fraction is within 1%
+    of 1 - p, and the same seed keeps the same ones."""
+    from model.attention import attention
+
+    p, n, heads = 0.1, 128, 16
+    lengths = [n] * 4
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q = torch.zeros(sum(lengths), heads, n, device="cuda", dtype=torch.bfloat16)
+    v = torch.eye(n, device="cuda", dtype=torch.bfloat16).repeat(len(lengths), 1).unsqueeze(1)
+    v = v.expand(-1, heads, -1).contiguous()
+    torch.manual_seed(0)
+    kept = attention(q, q, v, cu, n, p) > 0
+    assert abs(kept.float().mean().item() - (1 - p)) < 0.01 * (1 - p)
+    torch.manual_seed(0)
+    assert torch.equal(attention(q, q, v, cu, n, p) > 0, kept)

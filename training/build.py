@@ -228,7 +228,10 @@ def build_engine(
 
         if model_cfg.unpad_attention != "auto":
             model.attention_kernel = model_cfg.unpad_attention
-        kernel = model.attention_kernel or default_kernel(device)
+        dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
+        if ds_config.get("fp16", {}).get("enabled"):
+            dtype = torch.float16
+        kernel = model.attention_kernel or default_kernel(device, dtype, spec.hidden // spec.heads)
         log.info(f"model.unpad: BERT computes its real tokens only, {kernel} attention kernel")
     if compile_wanted(model_cfg.compile, device):
         log.info(f"model.compile: compiling {compile_blocks(model)} transformer-block modules (dynamic shapes)")
