@@ -81,7 +81,7 @@ def test_deepspeed_json_generated_from_typed_config():
     cfg = load_config(None, ["deepspeed.zero_stage=2", "deepspeed.precision=bf16", "train.global_batch=64"])
     ds = deepspeed_config(cfg, gradient_accumulation(cfg.train, 2), "runs/x")
     assert ds["train_batch_size"] == 64 and ds["gradient_accumulation_steps"] == 4
-    assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"] == {"enabled": True}
+    assert ds["zero_optimization"]["stage"] == 2 and ds["bf16"] == {"enabled": True, "immediate_grad_update": True}
     assert ds["data_types"] == {"grad_accum_dtype": "fp32"}
     stage0 = load_config(None, ["deepspeed.zero_stage=0"])
     assert deepspeed_config(stage0, 4, "runs/x")["zero_optimization"]["stage"] == 1  # BF16 master-weight path

@@ -2,8 +2,8 @@
 
 Three launches of tests/scripts/lans_zero_run.py (each trains several models in turn, one per run spec):
 1 rank (ZeRO-0 fp32 references, bf16 reference through DeepSpeed's BF16_Optimizer at ZeRO-1), 2 ranks (ZeRO-1
-and ZeRO-2 fp32, the naive optimizer without attach_zero, bf16 at ZeRO-1/2, a ZeRO-3 refusal, a checkpoint at
-step 4), and 2 ranks resuming that checkpoint.
+and ZeRO-2 fp32, the naive optimizer without attach_zero, bf16 at ZeRO-1 with and without immediate_grad_update
+and at ZeRO-2, a ZeRO-3 refusal, a checkpoint at step 4), and 2 ranks resuming that checkpoint.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ SCRIPT = REPO / "tests" / "scripts" / "lans_zero_run.py"
 STEPS, SAVE_AT = 8, 4
 ONE_RANK = "lans:0:fp32,lamb:0:fp32,lans:1:bf16"
 TWO_RANKS = (
-    "lans:1:fp32,lamb:1:fp32,lans:2:fp32,lamb:2:fp32,lans:2:fp32:naive,lans:1:bf16,lans:2:bf16,lans:3:fp32:refuse,"
-    "lans:2:fp32:fused,lans:2:fp32:foreach,lans:2:fp32:multi,lamb:1:fp32:multi"
+    "lans:1:fp32,lamb:1:fp32,lans:2:fp32,lamb:2:fp32,lans:2:fp32:naive,lans:1:bf16,lans:1:bf16:late,lans:2:bf16,"
+    "lans:3:fp32:refuse,lans:2:fp32:fused,lans:2:fp32:foreach,lans:2:fp32:multi,lamb:1:fp32:multi"
 )
 RESUME = "lans:2:fp32,lamb:2:fp32"
 
@@ -97,6 +97,19 @@ def test_bf16_loss_curves_match(runs: dict) -> None:
         assert max(abs(a - b) / b for a, b in zip(got["losses"], ref["losses"])) < 0.01, key
     # bf16 follows the fp32 run closely as well (same optimizer maths, bf16 forward/backward)
     assert max(abs(a - b) / b for a, b in zip(ref["losses"], fp32["losses"])) < 0.01
+
+
+def test_bf16_immediate_grad_update_trains_bit_for_bit_as_before(runs: dict) -> None:
+    """train.py's bf16 section (``immediate_grad_update``: each gradient added to its FP32 accumulator by a hook
+    as backward produces it) against DeepSpeed's default (a loop over every parameter after each micro-batch):
+    2 ranks, ZeRO-1, BF16, 2 micro-batches a step, 8 steps: the same losses and weights, bit for bit, in
+    DeepSpeed's BF16_Optimizer in both modes."""
+    now, before = runs["x2/lans:1:bf16"], runs["x2/lans:1:bf16:late"]
+    assert now["info"]["wrapper"] == before["info"]["wrapper"] == "BF16_Optimizer"
+    assert now["info"]["immediate_grad_update"] is True and before["info"]["immediate_grad_update"] is False
+    assert len(now["losses"]) == STEPS and now["losses"] == before["losses"]
+    assert all(torch.equal(now["params"][n], before["params"][n]) for n in before["params"])
+    assert _max_rel_diff(now["params"], now["init_params"]) > 1e-2  # it trained
 
 
 def test_zero3_is_refused_with_a_clear_message(runs: dict) -> None:

@@ -260,7 +260,7 @@ def deepspeed_config(cfg: Config, grad_accum: int, run_dir: str) -> dict[str, An
         "checkpoint": {"tag_validation": "FAIL"},
     }
     if ds.precision == "bf16":
-        config["bf16"] = {"enabled": True}
+        config["bf16"] = bf16_section()
         # Gradient accumulation in FP32: BF16 accumulation under ZeRO loses accuracy over many micro-batches.
         config["data_types"] = {"grad_accum_dtype": "fp32"}
         config["communication_data_type"] = ds.communication_dtype
@@ -268,6 +268,15 @@ def deepspeed_config(cfg: Config, grad_accum: int, run_dir: str) -> dict[str, An
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
     config.update(_monitor_config(cfg.logging, run_dir))
     return config
+
+
+def bf16_section(immediate_grad_update: bool = True) -> dict[str, Any]:
+    """DeepSpeed's ``bf16`` section. ``immediate_grad_update``: at ZeRO-1 (where DeepSpeed wraps the optimizer
+    in its ``BF16_Optimizer``) each parameter's BF16 gradient is added to its FP32 accumulator by a hook as
+    backward produces it, instead of by a Python loop over every parameter after each micro-batch
+    (``update_hp_grads``); the same additions, so the same losses (``tests/test_lans_zero.py``). Other stages
+    do not read it."""
+    return {"enabled": True, "immediate_grad_update": immediate_grad_update}
 
 
 def _monitor_config(logging: LoggingSection, run_dir: str) -> dict[str, Any]:

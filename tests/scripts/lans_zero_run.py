@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from common.atomic import atomic_path
 from common.process import end_process_group, exit_fast
-from training.engine import no_shm_all_reduce
+from training.engine import bf16_section, no_shm_all_reduce
 from training.lans import LAMB, LANS, attach_zero, param_groups
 from training.schedules import build_scheduler
 
@@ -84,8 +84,9 @@ def main() -> None:
     ap.add_argument(
         "--runs",
         required=True,
-        help="comma-separated OPT:STAGE:DTYPE[:naive|:refuse] (lans|lamb, 0-3, fp32|bf16; naive = no "
-        "attach_zero; refuse = only record attach_zero's refusal), each trains its own model in turn",
+        help="comma-separated OPT:STAGE:DTYPE[:naive|:refuse|:late] (lans|lamb, 0-3, fp32|bf16; naive = no "
+        "attach_zero; refuse = only record attach_zero's refusal; late = bf16 without immediate_grad_update), "
+        "each trains its own model in turn",
     )
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--global-batch", type=int, default=16)
@@ -115,7 +116,7 @@ def main() -> None:
         end_process_group()
 
 
-def ds_config(args: argparse.Namespace, stage: int, dtype: str, gas: int) -> dict:
+def ds_config(args: argparse.Namespace, stage: int, dtype: str, gas: int, flags: list[str]) -> dict:
     config = {
         "train_batch_size": args.global_batch,
         "train_micro_batch_size_per_gpu": args.micro_batch,
@@ -124,8 +125,8 @@ def ds_config(args: argparse.Namespace, stage: int, dtype: str, gas: int) -> dic
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 10**9,
     }
-    if dtype == "bf16":
-        config["bf16"] = {"enabled": True}
+    if dtype == "bf16":  # train.py's section; "late": DeepSpeed's default, every micro-batch's gradients at once
+        config["bf16"] = bf16_section(immediate_grad_update="late" not in flags)
         config["data_types"] = {"grad_accum_dtype": "fp32"}
         if args.comm_fp32:
             config["communication_data_type"] = "fp32"
@@ -137,7 +138,7 @@ def train_one(args: argparse.Namespace, spec: str, world: int, rank: int, gas: i
     name, stage, dtype, *flags = spec.split(":")
     naive = "naive" in flags
     impl = next((f for f in flags if f in ("cpu", "fused", "foreach", "multi")), "auto")
-    config = ds_config(args, int(stage), dtype, gas)
+    config = ds_config(args, int(stage), dtype, gas, flags)
     ckpt_name = spec.replace(":", "_")
     torch.manual_seed(0)
     model = BertMLM() if args.model == "bert" else MixedNet()
@@ -173,6 +174,7 @@ def train_one(args: argparse.Namespace, spec: str, world: int, rank: int, gas: i
         "world": world,
         "stage": int(stage),
         "wrapper": type(zopt).__name__,
+        "immediate_grad_update": getattr(zopt, "immediate_grad_update", None),
         "attached_groups": len(opt._layouts),
         "straddling_rank0": straddling,
     }
