@@ -1,10 +1,12 @@
-"""Where the time of our CPU train step goes: ``train.py`` run in this process under ``torch.profiler``.
+"""Where the time of our train step goes: ``train.py`` run in this process under ``torch.profiler``.
 
 The phases of a training step are labelled (the next batch from the loader, forward, backward, DeepSpeed
 ``step`` at and between accumulation boundaries) by wrapping public methods only: the DeepSpeed engine's,
 ``data.loader.PretrainingLoader.__iter__`` and ``Trainer.train_step``; the profiler records the steps after
 ``logging.warmup_steps``. Prints the wall time per phase per optimizer step and the top operators by self
-time; writes a Chrome trace when ``--trace`` is given. Same overrides as ``train.py``:
+time; on a GPU also the device's activity, and the top kernels by device time (the phases are host wall
+times; each step ends with a synchronisation there, so the step's total holds its kernels). Writes a Chrome
+trace when ``--trace`` is given. Same overrides as ``train.py``:
 
     python benchmarks/bench_train_profile.py --threads 1 -- model.name=bert-10m data.train=DIR data.vocab=V
     ...
@@ -76,6 +78,14 @@ def _timed_iter(label: str, iter_fn):
     return wrapper
 
 
+def activities() -> list:
+    """What the profiler records: host activity, and on a GPU the device's kernels too."""
+    recorded = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        recorded.append(torch.profiler.ProfilerActivity.CUDA)
+    return recorded
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
@@ -110,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def train_step(self, *a, **kw):
         if self.state.step == warm and not STATE["on"]:
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False)
+            prof = torch.profiler.profile(activities=activities(), record_shapes=False)
             prof.__enter__()
             STATE.update(on=True, prof=prof, t0=time.perf_counter())
         if not STATE["on"]:
@@ -118,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         with torch.profiler.record_function("## train_step"):
             out = orig_train_step(self, *a, **kw)
+            if torch.cuda.is_available():  # the step's kernels inside its wall time (phases stay host times)
+                torch.cuda.synchronize()
         PHASES["train_step (total)"] += time.perf_counter() - t0
         STATE["steps"] += 1
         return out
@@ -135,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     for label, secs in sorted(PHASES.items(), key=lambda kv: -kv[1]):
         print(f"  {label:<32} {1000 * secs / n:8.1f} ms  {100 * secs / total:5.1f}%  ({COUNTS[label] or n} calls)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if torch.cuda.is_available():  # the GPU's side: kernels (and copies) by the time the device spent in them
+        print(f"top {args.top} by device time:")
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top))
     if args.trace:
         prof.export_chrome_trace(args.trace)
     return rc
