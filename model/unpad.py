@@ -178,7 +178,7 @@ def varlen_attention(
             )
         return attention(q, k, v, pack.cu_seqlens, pack.max_seqlen, dropout_p)
     if kernel == "jagged":
-        nq, nk, nv = (nested(x, pack).transpose(1, 2) for x in (q, k, v))  # [B, heads, j, head_dim]
+        nq, nk, nv = (nested(x.contiguous(), pack).transpose(1, 2) for x in (q, k, v))  # [B, heads, j, head_dim]
         return F.scaled_dot_product_attention(nq, nk, nv, dropout_p=dropout_p).transpose(1, 2).values()
     if kernel != "padded":
         raise ValueError(f"attention kernel {kernel!r}: expected one of {', '.join(KERNELS)}")
@@ -194,15 +194,31 @@ def varlen_attention(
     return out.transpose(1, 2).reshape(b * m, heads, dim).index_select(0, slot)
 
 
-def _attention(self_attn: Any, x: torch.Tensor, pack: Packing, kernel: str | None) -> torch.Tensor:
-    """``transformers``' (Megatron)BertSelfAttention on packed rows: its q/k/v projections, varlen SDPA."""
+def partitioned(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a ZeRO-3 partition (gathered only by its own module's hooks)."""
+    return hasattr(param, "ds_id")
+
+
+def qkv_projection(self_attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v ``[T, heads, head_dim]`` of the packed rows ``x``: one matmul with the three projections'
+    weights stacked (the parameters stay ``query``, ``key`` and ``value``: names, checkpoints and the export
+    are unchanged). Under ZeRO-3 each projection is its own module's call, whose hooks gather its weight."""
     t = x.size(0)
     heads, dim = self_attn.num_attention_heads, self_attn.attention_head_size
-    q = self_attn.query(x).view(t, heads, dim)
-    k = self_attn.key(x).view(t, heads, dim)
-    v = self_attn.value(x).view(t, heads, dim)
+    linears = (self_attn.query, self_attn.key, self_attn.value)
+    if any(partitioned(m.weight) for m in linears):
+        return tuple(m(x).view(t, heads, dim) for m in linears)  # type: ignore[return-value]
+    weight = torch.cat([m.weight for m in linears])
+    bias = torch.cat([m.bias for m in linears]) if all(m.bias is not None for m in linears) else None
+    q, k, v = F.linear(x, weight, bias).view(t, 3, heads, dim).unbind(1)
+    return q, k, v
+
+
+def _attention(self_attn: Any, x: torch.Tensor, pack: Packing, kernel: str | None) -> torch.Tensor:
+    """``transformers``' (Megatron)BertSelfAttention on packed rows: its q/k/v projections, varlen attention."""
+    q, k, v = qkv_projection(self_attn, x)
     p = self_attn.dropout.p if self_attn.training else 0.0
-    return varlen_attention(q, k, v, pack, p, kernel).reshape(t, heads * dim)
+    return varlen_attention(q, k, v, pack, p, kernel).reshape(x.size(0), -1)
 
 
 def _post_ln_layer(layer: Any, x: torch.Tensor, pack: Packing, kernel: str | None) -> torch.Tensor:

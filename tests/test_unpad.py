@@ -299,3 +299,30 @@ def test_jagged_tensors_survive_activation_checkpointing():
     checkpoint(layer, x, use_reentrant=False).pow(2).sum().backward()
     assert x.grad is not None
     torch.testing.assert_close(x.grad, 4 * torch.sin(2 * x) * torch.cos(2 * x))
+
+
+def test_qkv_is_one_matmul_over_the_same_parameters(batch):
+    """The three projections run as one matmul over their stacked weights (their modules are not called), with
+    the parameters and their names unchanged; where the weights are ZeRO-3 partitions (``ds_id``: only their
+    own modules' hooks gather them) each module is called as before. Both give the same loss and gradients."""
+    torch.manual_seed(0)
+    model = build_model(_spec(False), unpad=True).double().train()
+    names = [n for n, _ in model.named_parameters()]
+    assert any(n.endswith("attention.self.query.weight") for n in names)
+    called: list[str] = []
+    projections = [m for n, m in model.named_modules() if n.endswith(("self.query", "self.key", "self.value"))]
+    for m in projections:
+        m.register_forward_hook(lambda mod, args, out: called.append("call"))
+    fused_loss, fused_grads = _run(model, batch)
+    assert called == []  # one matmul: no projection module ran
+    for m in projections:
+        m.weight.ds_id = 0  # as a ZeRO-3 partition is marked
+    try:
+        loss, grads = _run(model, batch)
+    finally:
+        for m in projections:
+            del m.weight.ds_id
+    assert len(called) == len(projections) == 3 * model.spec.layers
+    assert abs(fused_loss - loss) < 1e-12 * abs(loss)
+    assert max(_errors(fused_grads, grads).values()) < 1e-10
+    assert [n for n, _ in model.named_parameters()] == names
