@@ -207,7 +207,8 @@ def qkv_projection(self_attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch
     heads, dim = self_attn.num_attention_heads, self_attn.attention_head_size
     linears = (self_attn.query, self_attn.key, self_attn.value)
     if any(partitioned(m.weight) for m in linears):
-        return tuple(m(x).view(t, heads, dim) for m in linears)  # type: ignore[return-value]
+        q, k, v = (m(x).view(t, heads, dim) for m in linears)
+        return q, k, v
     weight = torch.cat([m.weight for m in linears])
     bias = torch.cat([m.bias for m in linears]) if all(m.bias is not None for m in linears) else None
     q, k, v = F.linear(x, weight, bias).view(t, 3, heads, dim).unbind(1)
