@@ -21,6 +21,7 @@ from transformers.models.megatron_bert import modeling_megatron_bert as megatron
 
 from common.errors import UserError
 from model import unpad as unpadding
+from model.losses import IGNORE_INDEX, ChunkedLossHead
 from model.registry import BertSpec
 
 
@@ -102,6 +103,8 @@ class BertPretraining(nn.Module):
         super().__init__()
         self.spec = spec
         self.hf = build_hf_bert(spec, attention)
+        # the MLM decoder (tied to the word embeddings) computes its loss in chunks, without the [B, P, V] logits
+        ChunkedLossHead.adopt(self.hf.cls.predictions.decoder)
         self.unpad = unpad
         self.attention_kernel: str | None = None
 
@@ -143,25 +146,22 @@ class BertPretraining(nn.Module):
             sequence, pooled = out[0], out[1]
             index = masked_lm_positions.unsqueeze(-1).expand(-1, -1, sequence.size(-1))
             gathered = torch.gather(sequence, 1, index)  # [B, P, H]
-        mlm_logits = _at_least_fp32(self.hf.cls.predictions(gathered))  # [B, P, V]
+        predictions = self.hf.cls.predictions
+        # the masked positions' loss (the mean over real predictions: a weight 0 is a padding slot) and how
+        # many of them the head predicts, in chunks: no [B, P, V] logits nor their FP32 copy (model.losses)
+        counted = masked_lm_weights != 0
+        targets = masked_lm_ids.long().masked_fill(~counted, IGNORE_INDEX)
+        mlm_loss, mlm_correct = predictions.decoder(predictions.transform(gathered), targets, with_correct=True)
         nsp_logits = _at_least_fp32(self.hf.cls.seq_relationship(pooled))  # [B, 2]
-
-        weights = masked_lm_weights.to(mlm_logits.dtype)
-        per_token = F.cross_entropy(
-            mlm_logits.view(-1, mlm_logits.size(-1)), masked_lm_ids.view(-1), reduction="none"
-        ).view_as(weights)
-        n_pred = weights.sum()
-        mlm_loss = (per_token * weights).sum() / n_pred.clamp(min=1.0)
         nsp_loss = F.cross_entropy(nsp_logits, next_sentence_labels.view(-1))
         with torch.no_grad():
-            mlm_correct = ((mlm_logits.argmax(-1) == masked_lm_ids).float() * weights).sum()
             nsp_correct = (nsp_logits.argmax(-1) == next_sentence_labels.view(-1)).float().sum()
         return {
             "loss": mlm_loss + nsp_loss,
             "mlm_loss": mlm_loss.detach(),
             "nsp_loss": nsp_loss.detach(),
-            "mlm_correct": mlm_correct,
-            "mlm_count": n_pred.detach(),
+            "mlm_correct": mlm_correct.to(mlm_loss.dtype),
+            "mlm_count": counted.sum().to(mlm_loss.dtype),
             "nsp_correct": nsp_correct,
             "nsp_count": torch.tensor(float(nsp_logits.size(0))),
         }

@@ -43,7 +43,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk: int,
         ignore_index: int,
         grad_enabled: bool,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype, n = hidden.dtype, hidden.shape[0]
         score = _score_dtype(dtype)
         counted = targets != ignore_index
@@ -59,11 +59,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
         nll = torch.empty(n, dtype=score, device=hidden.device)
+        hits = torch.zeros(n, dtype=torch.bool, device=hidden.device)  # the top logit is the target's
         for s in range(0, n, chunk):
             h, t = hidden[s : s + chunk], safe[s : s + chunk, None]
             z = F.linear(h, w, b).to(score)  # the chunk's logits (a copy only for half precision)
             target_logit = z.gather(1, t).squeeze(1)
-            top = z.amax(dim=1, keepdim=True)
+            top, best = z.max(dim=1, keepdim=True)  # one pass: the log-sum-exp's shift and the prediction
+            hits[s : s + chunk] = best.squeeze(1) == t.squeeze(1)
             z.sub_(top).exp_()
             total = z.sum(dim=1, keepdim=True)
             nll[s : s + chunk] = (top + total.log()).squeeze(1) - target_logit
@@ -86,14 +88,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         count = counted.sum()  # 0 counted: 0/0, NaN, as F.cross_entropy
         # The mean in FP64: an FP32 sum of ~10 per token would round at the sum's magnitude, not the mean's.
         loss = ((nll.double() * counted).sum() / count).to(score)
+        correct = (hits & counted).sum()  # counted targets predicted (the argmax of their logits)
         ctx.grads = (grad_h, grad_w, grad_b)
         ctx.save_for_backward(counted_f, count)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        return loss
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx, grad_loss: torch.Tensor, _grad_correct: torch.Tensor | None = None):
         if ctx.grads is None:
             raise RuntimeError("linear_cross_entropy: its gradients were used by an earlier backward")
         grad_h, grad_w, grad_b = ctx.grads
@@ -118,11 +122,14 @@ def linear_cross_entropy(
     *,
     chunk_tokens: int = CHUNK_TOKENS,
     ignore_index: int = IGNORE_INDEX,
-) -> torch.Tensor:
+    with_correct: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``F.cross_entropy(F.linear(hidden, weight, bias).float(), targets)`` (mean over counted targets) without
     the logits: ``hidden`` [..., H], ``weight`` [V, H], ``targets`` [...] (class ids or ``ignore_index``).
 
     The loss is FP32 (FP64 in an FP64 run); its gradients have the dtypes of ``hidden``, ``weight``, ``bias``.
+    ``with_correct``: also the number of counted targets whose logit is the largest (an accuracy's numerator,
+    from the pass that finds the log-sum-exp's shift: no extra read of the logits), as ``(loss, correct)``.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -130,7 +137,8 @@ def linear_cross_entropy(
     t = targets.reshape(-1).long()
     if h.shape[0] != t.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden states but {t.shape[0]} targets")
-    return _LinearCrossEntropy.apply(h, weight, bias, t, chunk_tokens, ignore_index, torch.is_grad_enabled())
+    loss, correct = _LinearCrossEntropy.apply(h, weight, bias, t, chunk_tokens, ignore_index, torch.is_grad_enabled())
+    return (loss, correct) if with_correct else loss
 
 
 class ChunkedLossHead(nn.Linear):
@@ -156,11 +164,21 @@ class ChunkedLossHead(nn.Linear):
         head.chunk_tokens = chunk_tokens
         return head
 
-    def forward(
-        self, hidden: torch.Tensor, targets: torch.Tensor | None = None, ignore_index: int = IGNORE_INDEX
-    ) -> torch.Tensor:
+    def forward(  # type: ignore[override]  # nn.Linear's call, or with targets the loss
+        self,
+        hidden: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        ignore_index: int = IGNORE_INDEX,
+        with_correct: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if targets is None:
             return super().forward(hidden)
         return linear_cross_entropy(
-            hidden, self.weight, targets, self.bias, chunk_tokens=self.chunk_tokens, ignore_index=ignore_index
+            hidden,
+            self.weight,
+            targets,
+            self.bias,
+            chunk_tokens=self.chunk_tokens,
+            ignore_index=ignore_index,
+            with_correct=with_correct,
         )

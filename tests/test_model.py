@@ -126,23 +126,29 @@ def test_sparse_mlm_loss_equals_bert_for_pretraining(pre_ln, unpad):
     spec = get_spec("bert-debug", vocab_size=1000, pre_layernorm=pre_ln, dropout=0.0)
     ours = build_model(spec, unpad=unpad).eval()
     batch = _bert_batch(spec)
-    out = ours(**batch)
-
     reference = ours.hf  # BertForPreTraining / MegatronBertForPreTraining with the same weights
     if not pre_ln:
         assert isinstance(reference, BertForPreTraining)
-    labels = torch.full_like(batch["input_ids"], -100)
-    for b in range(labels.size(0)):
-        n = int(batch["masked_lm_weights"][b].sum())
-        labels[b, batch["masked_lm_positions"][b, :n]] = batch["masked_lm_ids"][b, :n]
-    ref = reference(
-        input_ids=batch["input_ids"],
-        token_type_ids=batch["token_type_ids"],
-        attention_mask=batch["attention_mask"],
-        labels=labels,
-        next_sentence_label=batch["next_sentence_labels"],
-    )
+
+    def dense(batch):
+        labels = torch.full_like(batch["input_ids"], -100)
+        for b in range(labels.size(0)):
+            n = int(batch["masked_lm_weights"][b].sum())
+            labels[b, batch["masked_lm_positions"][b, :n]] = batch["masked_lm_ids"][b, :n]
+        inputs = {k: batch[k] for k in ("input_ids", "token_type_ids", "attention_mask")}
+        return labels, reference(**inputs, labels=labels, next_sentence_label=batch["next_sentence_labels"])
+
+    # every other masked token's label is what the model predicts there, so the accuracy is not 0
+    _, ref = dense(batch)
+    top = ref.prediction_logits.argmax(-1).gather(1, batch["masked_lm_positions"])
+    batch["masked_lm_ids"][:, ::2] = top[:, ::2]
+    labels, ref = dense(batch)
+    out = ours(**batch)
     torch.testing.assert_close(out["loss"], ref.loss, rtol=1e-5, atol=1e-6)
+    # the accuracy's counts, from the head's chunks (no logits), equal the dense logits' argmax
+    counted = labels != -100
+    assert int(out["mlm_count"]) == int(counted.sum())
+    assert int(out["mlm_correct"]) == int(((ref.prediction_logits.argmax(-1) == labels) & counted).sum()) > 0
 
 
 def test_padded_path_passes_no_mask_when_no_row_is_padded():

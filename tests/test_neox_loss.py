@@ -88,6 +88,12 @@ def test_linear_cross_entropy_ignores_targets_as_cross_entropy_does():
     none = torch.full_like(t, -100)
     assert torch.isnan(linear_cross_entropy(h, w, none, b, chunk_tokens=8))
     assert torch.isnan(F.cross_entropy(F.linear(h, w, b), none))
+    # with_correct: the counted targets whose logit is the largest, as argmax of the whole logits says
+    hit = F.linear(h, w, b).argmax(-1)
+    t[1::3] = hit[1::3]  # a third predicted, a third ignored, a third drawn at random
+    loss, correct = linear_cross_entropy(h, w, t, b, chunk_tokens=8, with_correct=True)
+    assert int(correct) == int(((hit == t) & (t != -100)).sum()) >= 12 and not correct.requires_grad
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(h, w, b), t), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
