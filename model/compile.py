@@ -4,10 +4,13 @@ What is compiled, per family (the modules keep their names, parameters and hooks
 replaced by a guarded compiled call, so checkpoints, the Hugging Face export, ZeRO-3's gathering hooks and
 activation checkpointing see the same modules):
 
-* BERT: each layer's dense part, the modules both the padded and the unpadded encoder call (the attention's
-  output projection with its residual and LayerNorm, the FFN's two halves, and the pre-LN sizes' LayerNorms).
-  Attention itself stays eager: variable-length attention (``model.unpad``) works on a ragged layout whose
-  per-sequence loop or nested tensors would be re-traced for every new set of lengths.
+* BERT on its real tokens (``model.unpad``): each whole layer, attention included (``model.unpad.packed_layer``:
+  the attention is one opaque operator, ``model.attention``, and the layer's inputs are tensors and ints, so one
+  graph serves every token count, set of lengths and number of sequences), with the ``varlen`` and ``padded``
+  kernels (the ``jagged`` kernel, kept for comparison, then runs eager). Under ZeRO-3 (partitioned weights,
+  gathered by each module's own hooks) and for the padded forward (``model.unpad=false``): each layer's dense
+  part, the modules both encoders call (the attention's output projection with its residual and LayerNorm, the
+  FFN's two halves, and the pre-LN sizes' LayerNorms), attention eager.
 * GPT-NeoX: each whole ``GPTNeoXLayer`` (fixed-length windows, causal SDPA).
 
 Dynamic shapes (``dynamic=True``): under unpadding the token count changes every micro-batch; each module is
@@ -20,6 +23,7 @@ own error; not seen on CPU, where both graphs compile in the forward call.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +49,11 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def whole_layers(model: nn.Module) -> bool:
+    """Whether ``model``'s BERT layers compile whole: on its real tokens, outside ZeRO-3."""
+    return bool(getattr(model, "unpad", False)) and not any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 def compiled_modules(model: nn.Module) -> list[nn.Module]:
     """The modules :func:`compile_blocks` compiles in ``model`` (``BertPretraining`` or ``NeoxPretraining``)."""
     hf: Any = getattr(model, "hf", None)
@@ -52,6 +61,8 @@ def compiled_modules(model: nn.Module) -> list[nn.Module]:
         raise ValueError(f"{type(model).__name__}: not a pre-training model of this project")
     if hasattr(hf, "gpt_neox"):
         return list(hf.gpt_neox.layers)
+    if whole_layers(model):
+        return list(hf.bert.encoder.layer)
     out: list[nn.Module] = []
     for layer in hf.bert.encoder.layer:
         names: tuple[str, ...] = ("attention.output", "intermediate", "output")
@@ -94,8 +105,17 @@ def compile_blocks(model: nn.Module, backend: Any = "inductor") -> int:
     """Compile ``model``'s transformer blocks in place (see the module docstring); the number of modules."""
     fallback = _Fallback()
     modules = compiled_modules(model)
-    for m in modules:
-        m.forward = _guarded(m.forward, backend, fallback)
+    if whole_layers(model):  # the encoder calls each layer's packed_call (model.unpad.encode)
+        from model.unpad import packed_layer
+
+        spec: Any = model.spec
+        pre_layernorm = bool(spec.pre_layernorm)
+        for layer in modules:
+            whole = functools.partial(packed_layer, layer, pre_layernorm)
+            object.__setattr__(layer, "packed_call", _guarded(whole, backend, fallback))
+    else:
+        for m in modules:
+            m.forward = _guarded(m.forward, backend, fallback)
     object.__setattr__(model, "compile_fallback", fallback)  # what a test or a report can read
     return len(modules)
 

@@ -235,6 +235,34 @@ def _pre_ln_layer(layer: Any, x: torch.Tensor, pack: Packing, kernel: str | None
     return layer.output(layer.intermediate(layer.ln(h)), h)
 
 
+def packed_layer(
+    layer: Any,
+    pre_layernorm: bool,
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    batch: int,
+    seq_len: int,
+    kernel: str,
+) -> torch.Tensor:
+    """One encoder layer on the packed rows ``x``, from the packing's fields alone: what ``model.compile``
+    compiles whole (tensors and ints only, so every micro-batch's token count, lengths and sequence count reuse
+    one graph; the attention is one opaque operator, ``model.attention``)."""
+    pack = Packing(indices=indices, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, batch=batch, seq_len=seq_len)
+    return (_pre_ln_layer if pre_layernorm else _post_ln_layer)(layer, x, pack, kernel)
+
+
+WHOLE_LAYER_KERNELS = ("varlen", "padded")
+"""The kernels a compiled whole layer runs (``jagged`` keeps the per-submodule compile)."""
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the layers' matmuls produce from ``x``: autocast's where it is on for ``x``'s device."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
 def encode(
     bert: Any,
     pre_layernorm: bool,
@@ -252,8 +280,14 @@ def encode(
     if not pre_layernorm:
         x = emb.LayerNorm(x)
     x = emb.dropout(x)
-    layer_fn = _pre_ln_layer if pre_layernorm else _post_ln_layer
-    for layer in bert.encoder.layer:
+    layer_fn: Any = _pre_ln_layer if pre_layernorm else _post_ln_layer
+    layers = bert.encoder.layer
+    if getattr(layers[0], "packed_call", None) is not None:  # model.compile: each layer a compiled whole
+        head_dim = layers[0].attention.self.attention_head_size
+        resolved = kernel or default_kernel(x.device, compute_dtype(x), head_dim)  # outside the graph
+        if resolved in WHOLE_LAYER_KERNELS:
+            layer_fn = partial(_call_packed, kernel=resolved)
+    for layer in layers:
         if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
             ckpt = getattr(layer, "_gradient_checkpointing_func", partial(checkpoint, use_reentrant=False))
             x = ckpt(layer_fn, layer, x, pack, kernel)
@@ -262,3 +296,7 @@ def encode(
     if pre_layernorm:
         x = bert.encoder.ln(x)
     return x
+
+
+def _call_packed(layer: Any, x: torch.Tensor, pack: Packing, _: str | None, kernel: str) -> torch.Tensor:
+    return layer.packed_call(x, pack.indices, pack.cu_seqlens, pack.max_seqlen, pack.batch, pack.seq_len, kernel)

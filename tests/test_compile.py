@@ -10,7 +10,9 @@ import logging
 import pytest
 import torch
 
+from data.loader import unpadding_index
 from model import compile as mc
+from model import unpad
 from model.build import build_model
 from model.registry import get_spec
 from tests.test_unpad import FP32_EPS, _errors, _run, _spec, batch, shards  # noqa: F401  (fixtures)
@@ -63,6 +65,34 @@ def test_unpadded_lengths_do_not_recompile(batch):  # noqa: F811
         _run(model, trimmed)
         counts.append(mc.compile_count())
     assert counts[0] > 0 and counts[1:] == [counts[0]] * 4, counts
+    assert model.compile_fallback.failed is None
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "ckpt"])
+def test_whole_layers_compile_once_for_every_micro_batch(batch, checkpointing):  # noqa: F811
+    """Unpadded BERT's layers compile whole, attention (one operator) included: six micro-batches that differ in
+    token count, longest row and number of rows, trained with dropout, give as many graphs after the second as
+    after the sixth, with no graph break; eager where activation checkpointing recomputes the layers too."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    spec = get_spec("bert-debug", dropout=0.1, vocab_size=8000)
+    model = build_model(spec, unpad=True, activation_checkpointing=checkpointing).train()
+    assert mc.compile_blocks(model) == spec.layers and mc.whole_layers(model)
+    mask = batch["attention_mask"]
+    counts = []
+    for rows, cut in ((8, 128), (5, 100), (8, 77), (3, 64), (6, 31), (2, 128)):
+        trimmed = {k: v[:rows] for k, v in batch.items() if k not in unpad.UNPAD_KEYS and k != "min_seqlen"}
+        trimmed["attention_mask"] = mask[:rows] * (torch.arange(mask.size(1)) < cut)
+        trimmed.update(unpadding_index(trimmed["attention_mask"]))
+        loss = model(**trimmed)["loss"]
+        loss.backward()
+        assert torch.isfinite(loss)
+        counts.append(mc.compile_count())
+    assert counts[0] > 0 and counts[1] == counts[5], counts
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert model.compile_fallback.failed is None
 
 
