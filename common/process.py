@@ -21,9 +21,11 @@ def exit_fast(rc: int | None) -> NoReturn:
     closes what it writes. Skipped: module finalisation, where a training process with torch,
     DeepSpeed and ``transformers`` loaded spends 1.5-2 s in C++ destructors after its last line (measured on the
     2-core CI machine), every rank of every job. A process with a non-daemon thread still running exits the
-    normal way, which waits for it.
+    normal way, which waits for it, after ending its process group if one is still up (:func:`end_process_group`).
     """
     if any(t is not threading.main_thread() and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        if "torch.distributed" in sys.modules:  # the teardown runs after all: no process group left to it
+            end_process_group()
         sys.exit(rc)
     atexit._run_exitfuncs()
     logging.shutdown()

@@ -33,12 +33,35 @@ def _calls(node: ast.AST, names: set[str]) -> list[ast.Call]:
     return [n for n in ast.walk(node) if isinstance(n, ast.Call) and _name(n) in names]
 
 
+TRIES = tuple(t for t in (ast.Try, getattr(ast, "TryStar", None)) if t is not None)
+
+
+def _starts(tree: ast.AST) -> set[str]:
+    """The names a start is called by in ``tree``: STARTS, and what they are imported as."""
+    aliases = {
+        a.asname
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom)
+        for a in n.names
+        if a.name in STARTS and a.asname
+    }
+    return STARTS | aliases
+
+
 def _parents(tree: ast.AST) -> dict[ast.AST, ast.AST]:
     return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
 
 
-def _ends_in_finally(node: ast.Try) -> bool:
-    return any(_calls(stmt, ENDS) for stmt in node.finalbody)
+def _ends_in_finally(node: ast.AST) -> bool:
+    """A ``finally`` that, whatever happens in it, ends the default group: one of its own statements (not under
+    a condition, nor in a function it defines) is a call of an end, ``destroy_process_group`` with no group."""
+    return any(
+        isinstance(stmt, ast.Expr)
+        and isinstance(stmt.value, ast.Call)
+        and _name(stmt.value) in ENDS
+        and not (_name(stmt.value) == "destroy_process_group" and (stmt.value.args or stmt.value.keywords))
+        for stmt in getattr(node, "finalbody", [])
+    )
 
 
 def _ended(call: ast.Call, parents: dict[ast.AST, ast.AST]) -> bool:
@@ -47,14 +70,14 @@ def _ended(call: ast.Call, parents: dict[ast.AST, ast.AST]) -> bool:
     node: ast.AST = call
     while not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Module)):
         parent = parents[node]
-        if isinstance(parent, ast.Try) and node in parent.body and _ends_in_finally(parent):
+        if isinstance(parent, TRIES) and node in getattr(parent, "body", []) and _ends_in_finally(parent):
             return True
         if isinstance(node, ast.stmt):  # the statement that starts the group, then the try that ends it
             for field in ("body", "orelse", "finalbody", "handlers"):
                 block = getattr(parent, field, None)
                 if isinstance(block, list) and node in block:
                     after = block[block.index(node) + 1 : block.index(node) + 2]
-                    if after and isinstance(after[0], ast.Try) and _ends_in_finally(after[0]):
+                    if after and isinstance(after[0], TRIES) and _ends_in_finally(after[0]):
                         return True
         node = parent
     return False
@@ -72,7 +95,7 @@ def unended_starts(source: str, path: str) -> list[str]:
     tree = ast.parse(source, path)
     parents = _parents(tree)
     found = []
-    for call in _calls(tree, STARTS):
+    for call in _calls(tree, _starts(tree)):
         where = (path, _function(call, parents))
         if where != TRAIN_PATH and not _ended(call, parents):
             found.append(f"{path}:{call.lineno} in {where[1]}()")
@@ -106,6 +129,9 @@ def test_the_check_tells_an_ended_group_from_one_left_to_teardown() -> None:
         "inner function": _example(
             "try:;|def g():;||dist.init_process_group('gloo');|g();finally:;|end_process_group()"
         ),
+        "ended if": _example("dist.init_process_group('gloo');try:;|work();finally:;|if rank:;||end_process_group()"),
+        "a subgroup": _example("deepspeed.init_distributed();try:;|work();finally:;|dist.destroy_process_group(g)"),
+        "aliased": "from torch.distributed import init_process_group as ipg\n" + _example("ipg('gloo');work()"),
     }
     for what, source in bad.items():
         assert unended_starts(source, "x.py"), what
