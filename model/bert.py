@@ -147,11 +147,12 @@ class BertPretraining(nn.Module):
             index = masked_lm_positions.unsqueeze(-1).expand(-1, -1, sequence.size(-1))
             gathered = torch.gather(sequence, 1, index)  # [B, P, H]
         predictions = self.hf.cls.predictions
-        # the masked positions' loss (the mean over real predictions: a weight 0 is a padding slot) and how
-        # many of them the head predicts, in chunks: no [B, P, V] logits nor their FP32 copy (model.losses)
+        # the masked positions' loss (the mean over real predictions: a weight 0 is a padding slot; none: 0) and
+        # how many of them the head predicts, in chunks of predictions, never the [B, P, V] logits (model.losses)
         counted = masked_lm_weights != 0
         targets = masked_lm_ids.long().masked_fill(~counted, IGNORE_INDEX)
-        mlm_loss, mlm_correct = predictions.decoder(predictions.transform(gathered), targets, with_correct=True)
+        hidden = predictions.transform(gathered)
+        mlm_loss, mlm_correct = predictions.decoder(hidden, targets, with_correct=True, none_is_zero=True)
         nsp_logits = _at_least_fp32(self.hf.cls.seq_relationship(pooled))  # [B, 2]
         nsp_loss = F.cross_entropy(nsp_logits, next_sentence_labels.view(-1))
         with torch.no_grad():

@@ -43,6 +43,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk: int,
         ignore_index: int,
         grad_enabled: bool,
+        none_is_zero: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype, n = hidden.dtype, hidden.shape[0]
         score = _score_dtype(dtype)
@@ -85,7 +86,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_w.addmm_(g.t(), hc)
                 else:
                     grad_w.add_(g.t() @ hc)
-        count = counted.sum()  # 0 counted: 0/0, NaN, as F.cross_entropy
+        count = counted.sum()  # 0 counted: 0/0, NaN, as F.cross_entropy (none_is_zero: 0, and no gradient)
+        if none_is_zero:
+            count = count.clamp(min=1)
         # The mean in FP64: an FP32 sum of ~10 per token would round at the sum's magnitude, not the mean's.
         loss = ((nll.double() * counted).sum() / count).to(score)
         correct = (hits & counted).sum()  # counted targets predicted (the argmax of their logits)
@@ -111,7 +114,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_w = grad_w.mul_(scale).to(w_dtype)
         if grad_b is not None:
             grad_b = grad_b.mul_(scale).to(b_dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -123,6 +126,7 @@ def linear_cross_entropy(
     chunk_tokens: int = CHUNK_TOKENS,
     ignore_index: int = IGNORE_INDEX,
     with_correct: bool = False,
+    none_is_zero: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``F.cross_entropy(F.linear(hidden, weight, bias).float(), targets)`` (mean over counted targets) without
     the logits: ``hidden`` [..., H], ``weight`` [V, H], ``targets`` [...] (class ids or ``ignore_index``).
@@ -130,6 +134,8 @@ def linear_cross_entropy(
     The loss is FP32 (FP64 in an FP64 run); its gradients have the dtypes of ``hidden``, ``weight``, ``bias``.
     ``with_correct``: also the number of counted targets whose logit is the largest (an accuracy's numerator,
     from the pass that finds the log-sum-exp's shift: no extra read of the logits), as ``(loss, correct)``.
+    ``none_is_zero``: with no target counted the loss is 0 and every gradient 0 (``F.cross_entropy``'s NaN
+    otherwise), as a sum over the counted targets divided by at least one.
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
@@ -137,7 +143,9 @@ def linear_cross_entropy(
     t = targets.reshape(-1).long()
     if h.shape[0] != t.shape[0]:
         raise ValueError(f"{h.shape[0]} hidden states but {t.shape[0]} targets")
-    loss, correct = _LinearCrossEntropy.apply(h, weight, bias, t, chunk_tokens, ignore_index, torch.is_grad_enabled())
+    loss, correct = _LinearCrossEntropy.apply(
+        h, weight, bias, t, chunk_tokens, ignore_index, torch.is_grad_enabled(), none_is_zero
+    )
     return (loss, correct) if with_correct else loss
 
 
@@ -170,6 +178,7 @@ class ChunkedLossHead(nn.Linear):
         targets: torch.Tensor | None = None,
         ignore_index: int = IGNORE_INDEX,
         with_correct: bool = False,
+        none_is_zero: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if targets is None:
             return super().forward(hidden)
@@ -181,4 +190,5 @@ class ChunkedLossHead(nn.Linear):
             chunk_tokens=self.chunk_tokens,
             ignore_index=ignore_index,
             with_correct=with_correct,
+            none_is_zero=none_is_zero,
         )

@@ -94,6 +94,11 @@ def test_linear_cross_entropy_ignores_targets_as_cross_entropy_does():
     loss, correct = linear_cross_entropy(h, w, t, b, chunk_tokens=8, with_correct=True)
     assert int(correct) == int(((hit == t) & (t != -100)).sum()) >= 12 and not correct.requires_grad
     torch.testing.assert_close(loss, F.cross_entropy(F.linear(h, w, b), t), rtol=1e-12, atol=1e-12)
+    # none_is_zero: the same loss where a target counts; with none, 0 and zero gradients (not NaN)
+    same = linear_cross_entropy(h, w, t, b, chunk_tokens=8, none_is_zero=True)
+    torch.testing.assert_close(same, loss, rtol=0, atol=0)
+    zero = linear_cross_entropy(h, w, none, b, chunk_tokens=8, none_is_zero=True)
+    assert zero.item() == 0 and all(torch.equal(g, torch.zeros_like(g)) for g in torch.autograd.grad(zero, (h, w, b)))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
