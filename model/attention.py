@@ -8,7 +8,8 @@ The operator is registered with ``torch.library`` with a fake implementation and
 sees one opaque node (no graph break, dynamic in the token count), and tagged ``nondeterministic_seeded``
 (dropout). Inside:
 
-* **CUDA** (BF16/FP16, compute capability >= 8.0, head size <= 256 and a multiple of 8: :func:`flash_usable`):
+* **CUDA** (NVIDIA, BF16/FP16, compute capability >= 8.0, head size <= 256 and a multiple of 8:
+  :func:`flash_usable`):
   the flash variable-length kernel that torch ships, dropout included: ``aten._flash_attention_forward`` /
   ``_flash_attention_backward`` with ``cum_seq_q/k``, ``max_q/k`` and ``dropout_p``, what nested-tensor SDPA
   calls inside. Its dropout draws from the CUDA generator (seed and offset, returned as ``rng_state``), so
@@ -16,8 +17,10 @@ sees one opaque node (no graph break, dynamic in the token count), and tagged ``
 * **CPU**: one sequence at a time (``cu_seqlens`` on the host), softmax in at least FP32, the probabilities
   recomputed in the backward pass (as flash does) rather than kept. Dropout keeps a probability where a
   uniform draw from a generator seeded by one 62-bit draw of the default CPU generator is ``>= p``: the
-  backward pass redraws the same mask from the saved seed, and checkpointing's recomputation (which restores
-  the default generator) draws the same seed.
+  backward pass redraws the same mask from the saved seed, and activation checkpointing's recomputation draws
+  the same seed because ``torch.utils.checkpoint`` restores the default generator first
+  (``preserve_rng_state=True``, its default and the way ``model.build`` uses it; a recomputation that does not
+  restore it would compute gradients for another mask).
 
 Elsewhere (CUDA in FP32, an older card, an odd head size, another accelerator) ``model.unpad`` uses its
 ``padded`` kernel (``model.unpad.default_kernel``).
@@ -131,6 +134,8 @@ def flash_usable(
     capability >= 8.0 (``capability``: the device's when None), head size <= 256 and a multiple of 8, a torch
     built with flash attention whose ops have the expected schemas."""
     if device.type != "cuda" or dtype not in FLASH_DTYPES or FLASH_SCHEMA_PROBLEM is not None:
+        return False
+    if torch.version.hip is not None:  # ROCm's flash ops keep the older outputs and rules: padded there
         return False
     if head_dim > 256 or head_dim % 8:
         return False

@@ -206,11 +206,13 @@ def qkv_projection(self_attn: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch
     t = x.size(0)
     heads, dim = self_attn.num_attention_heads, self_attn.attention_head_size
     linears = (self_attn.query, self_attn.key, self_attn.value)
-    if any(partitioned(m.weight) for m in linears):
+    biases = [m.bias for m in linears]
+    mixed = any(b is None for b in biases) and any(b is not None for b in biases)
+    if mixed or any(partitioned(m.weight) for m in linears):
         q, k, v = (m(x).view(t, heads, dim) for m in linears)
         return q, k, v
     weight = torch.cat([m.weight for m in linears])
-    bias = torch.cat([m.bias for m in linears]) if all(m.bias is not None for m in linears) else None
+    bias = None if biases[0] is None else torch.cat(biases)
     q, k, v = F.linear(x, weight, bias).view(t, 3, heads, dim).unbind(1)
     return q, k, v
 

@@ -227,7 +227,7 @@ def build_engine(
         from model.unpad import default_kernel
 
         if model_cfg.unpad_attention != "auto":
-            model.attention_kernel = model_cfg.unpad_attention
+            model.attention_kernel = {"loop": "varlen"}.get(model_cfg.unpad_attention, model_cfg.unpad_attention)
         dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
         if ds_config.get("fp16", {}).get("enabled"):
             dtype = torch.float16

@@ -45,13 +45,13 @@ class ModelSection:
     tokens, variable-length attention); tokens/s, TFLOP/s and MFU then count only those tokens
     (``training.metrics``). false runs ``transformers``' padded forward, which computes and counts every
     position. GPT-NeoX ignores it: its packed windows have no padding."""
-    unpad_attention: Literal["auto", "varlen", "padded", "jagged"] = "auto"
+    unpad_attention: Literal["auto", "varlen", "padded", "jagged", "loop"] = "auto"
     """BERT with ``model.unpad``: the attention kernel over the packed tokens (``model.unpad``'s module
     docstring). auto: ``varlen`` (one registered operator: torch's flash variable-length kernel with dropout on
     CUDA in BF16/FP16 on compute capability >= 8.0, one sequence at a time on CPU) where it runs, else
     ``padded`` (one dense SDPA call over ``[B, max_seqlen]`` with a key mask; the linears still see only the
     real tokens). ``jagged``: SDPA on jagged nested tensors, 3.5x slower than the padded forward on an H200
-    (docs/gpu-notes.md)."""
+    (docs/gpu-notes.md). ``loop``: the former name of ``varlen``'s CPU branch, read as ``varlen``."""
     compile: bool | None = None
     """``torch.compile`` the transformer blocks (``model.compile``: dynamic shapes; a failed compile warns once
     and runs eager; the first step, compile included, is reported as ``first_step_s``). null: on for
