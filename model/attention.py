@@ -275,10 +275,8 @@ def varlen_attn_backward(
 
 
 def _flash_backward(grad, q, k, v, out, lse, rng_state, unused, cu, max_seqlen: int, p: float):
-    dq, dk, dv = _aten._flash_attention_backward(
-        grad.contiguous(), q, k, v, out, lse, cu, cu, max_seqlen, max_seqlen, p, False, rng_state, unused,
-        scale=_scale(q.size(-1)),
-    )  # fmt: skip -- the flash op's positional arguments on two lines, as its schema reads
+    args = (grad.contiguous(), q, k, v, out, lse, cu, cu, max_seqlen, max_seqlen, p, False, rng_state, unused)
+    dq, dk, dv = _aten._flash_attention_backward(*args, scale=_scale(q.size(-1)))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
