@@ -51,7 +51,9 @@ def _compile_errors() -> tuple[type[BaseException], ...]:
 
 def whole_layers(model: nn.Module) -> bool:
     """Whether ``model``'s BERT layers compile whole: on its real tokens, outside ZeRO-3."""
-    return bool(getattr(model, "unpad", False)) and not any(hasattr(p, "ds_id") for p in model.parameters())
+    from model.unpad import partitioned
+
+    return bool(getattr(model, "unpad", False)) and not any(partitioned(p) for p in model.parameters())
 
 
 def compiled_modules(model: nn.Module) -> list[nn.Module]:
