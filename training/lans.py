@@ -344,6 +344,105 @@ def _fused_available(device: torch.device) -> bool:
 
 
 # --------------------------------------------------------------------------------------------------------
+# The flat-partition path's two fused kernels (``_FlatKernels``), each one operator: a byte counter
+# (``common/bytecount.py``) sees each call with its tensor arguments, and the element-wise chain inside is one
+# compiled kernel where torch.compile works on the device (eager, the same maths, where it does not).
+# consts: [1-b1, b2, 1-b2, eps', wd_r, wd_c] in the working dtype; s: LANS's 1/(||g||+eps) per fragment;
+# a: (a_r, a_c) per fragment; frag: the fragment of each element (int32).
+# --------------------------------------------------------------------------------------------------------
+
+
+def _flat_moments_body(
+    g: torch.Tensor,
+    w: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    frag: torch.Tensor,
+    s: torch.Tensor,
+    consts: torch.Tensor,
+    lans: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    gt = g.to(w.dtype)
+    if lans:
+        gt = gt * s[frag]
+    m_new = torch.lerp(m, gt, consts[0])
+    v_new = v * consts[1] + gt * gt * consts[2]
+    m.copy_(m_new)
+    v.copy_(v_new)
+    b = v_new.sqrt() + consts[3]
+    r = m_new / b + consts[4] * w
+    c = gt / b + consts[5] * w if lans else w.new_empty(0)
+    return r, c
+
+
+def _flat_update_body(
+    w: torch.Tensor, r: torch.Tensor, c: torch.Tensor, frag: torch.Tensor, a: torch.Tensor, lans: bool
+) -> None:
+    step = a[:, 0][frag] * r
+    if lans:
+        step = step + a[:, 1][frag] * c
+    w.add_(step)
+
+
+_FLAT_BODIES: dict[str, Callable[..., Any]] = {"moments": _flat_moments_body, "update": _flat_update_body}
+_FLAT: dict[tuple[str, str], Callable[..., Any]] = {}  # (kernel, device type) -> compiled, or eager after a failure
+
+
+def _run_flat(name: str, device: torch.device, *args: Any) -> Any:
+    """Kernel ``name`` compiled for the device type (dynamic shapes: one graph per input kind); its eager body,
+    with one warning, where compiling fails there."""
+    key = (name, device.type)
+    if key not in _FLAT:
+        _FLAT[key] = torch.compile(_FLAT_BODIES[name], dynamic=True, options={"cpp.dynamic_threads": True})
+    try:
+        return _FLAT[key](*args)
+    except Exception as e:  # noqa: BLE001 -- any compiler failure means "run the same maths eagerly"
+        if _FLAT[key] is _FLAT_BODIES[name]:
+            raise  # the eager body itself failed: a real error
+        warnings.warn(
+            f"torch.compile of the LANS/LAMB flat-partition kernel {name!r} failed on {device.type} "
+            f"({type(e).__name__}: {str(e)[:300]}); running it eagerly",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        _FLAT[key] = _FLAT_BODIES[name]
+        return _FLAT[key](*args)
+
+
+@torch.library.custom_op("wikipretrain::lans_flat_moments", mutates_args=("m", "v"))
+def flat_moments(
+    g: torch.Tensor,
+    w: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    frag: torch.Tensor,
+    s: torch.Tensor,
+    consts: torch.Tensor,
+    lans: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: m, v updated; returns r' and (LANS; else empty) c' over the flat partition."""
+    return _run_flat("moments", w.device, g, w, m, v, frag, s, consts, lans)
+
+
+@flat_moments.register_fake
+def _(g, w, m, v, frag, s, consts, lans):
+    return torch.empty_like(w), torch.empty_like(w) if lans else w.new_empty(0)
+
+
+@torch.library.custom_op("wikipretrain::lans_flat_update", mutates_args=("w",))
+def flat_update(
+    w: torch.Tensor, r: torch.Tensor, c: torch.Tensor, frag: torch.Tensor, a: torch.Tensor, lans: bool
+) -> None:
+    """In place: w += a_r r' + a_c c', the coefficients per fragment."""
+    _run_flat("update", w.device, w, r, c, frag, a, lans)
+
+
+@flat_update.register_fake
+def _(w, r, c, frag, a, lans):
+    return None
+
+
+# --------------------------------------------------------------------------------------------------------
 # The implementations, behind one interface. The group step (``_LayerwiseAdaptive._step_group``) does the
 # per-tensor part (sums per tensor, all-reduces, trust ratios) and hands the element-wise work on the
 # fragments to one ``_Kernels`` object per group and step.
@@ -548,16 +647,22 @@ class _CompiledKernels(_Kernels):
 
 
 class _FlatKernels(_Kernels):
-    """A ZeRO partition as one flat tensor: every phase is a handful of element-wise kernels and one segmented
-    sum over the whole partition, whatever its number of fragments (no per-fragment launch, no host sync).
+    """A ZeRO partition as one flat tensor: three passes over it per step, whatever its number of fragments
+    (no per-fragment launch, no host sync), at about 72 bytes moved per element for LANS with fp32 gradients
+    (``benchmarks/bench_gpu_readiness.py`` counts them):
 
-    The per-fragment scalars (LANS's 1/(||g||+eps), the trust-ratio coefficients) are spread over the elements
-    with ``repeat_interleave`` (its output size is known on the host); the per-fragment sums of squares are
-    ``torch.segment_reduce`` over the fragments' lengths, accumulated as the other paths do (float64 on CPU
-    and for float64 parameters, fp32 on accelerators). It takes the fragments of a group whose flat partition
-    they tile from its start, with every fragment at the same step (the bias corrections and weight-decay
-    factors are then the same for all: ZeRO always), and hands the others to ``fallback``. The accelerator
-    path of ``impl="auto"``; CPU CI runs it on CPU tensors (``impl="multi"``)."""
+    - the per-fragment norms of g, then of r', c' and w: ``torch._foreach_norm`` over the fragments' views
+      (one read each; one multi-tensor kernel on accelerators), accumulated as the other paths do (float64 on
+      CPU and for float64 parameters, fp32 on accelerators);
+    - the moments: one fused kernel (``lans_flat_moments``) reads g, w, m, v and writes m, v, r' and c';
+    - the update: one fused kernel (``lans_flat_update``) reads w, r', c' and writes w.
+
+    Per-fragment scalars (LANS's 1/(||g||+eps), the trust-ratio coefficients) reach the elements through one
+    int32 element -> fragment index, built once per layout and gathered inside the fused kernels. It takes
+    the fragments of a group whose flat partition they tile from its start, with every fragment at the same
+    step (the bias corrections and weight-decay factors are then the same for all: ZeRO always), and hands
+    the others to ``fallback``. The accelerator path of ``impl="auto"``; CPU CI runs it on CPU tensors
+    (``impl="multi"``)."""
 
     name = "multi"
     fallback = _ForeachKernels
@@ -573,26 +678,24 @@ class _FlatKernels(_Kernels):
         super().__init__(frags, idx, opt)
         opt.flat_group_steps += bool(self.idx)
         if self.idx:
-            self.lengths = opt._lengths(frags)
-            self.total = sum(frags.numels or [])
+            self.numels = list(frags.numels or [])
+            self.frag = opt._fragment_of_element(frags)
             w = frags.flat[0] if frags.flat is not None else frags.ws[0]
             self.acc = _sumsq_dtype(w)
+        self.r: torch.Tensor | None = None
+        self.c: torch.Tensor | None = None
 
     def takes(self, i: int, opt: _LayerwiseAdaptive) -> bool:
         return self.ok
 
-    def _spread(self, per_fragment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """One value per fragment -> one per element of the flat partition."""
-        return torch.repeat_interleave(per_fragment.to(dtype), self.lengths, output_size=self.total)
-
-    def _segment_sumsq(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.acc)
-        # unsafe: no validation of the lengths (it reads them on the host); they tile the partition by construction
-        return torch.segment_reduce(x * x, "sum", lengths=self.lengths, unsafe=True).to(torch.float64)
+    def _sumsq(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-fragment sums of squares of a flat tensor (float64)."""
+        norms = torch._foreach_norm(x.split(self.numels), 2, dtype=self.acc)
+        return torch.stack(norms).to(torch.float64).square()
 
     def _grad_sumsq(self) -> torch.Tensor:
         assert self.frags.flat is not None
-        return self._segment_sumsq(self.frags.flat[1])
+        return self._sumsq(self.frags.flat[1])
 
     # Taking every fragment, in order, it writes the whole output: no index list to copy to the device.
     def grad_sumsq(self, out: torch.Tensor) -> None:
@@ -607,41 +710,21 @@ class _FlatKernels(_Kernels):
         else:
             super().moments_sumsq(sc, parts)
 
-    def _ru_cu(self, sc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """r' and (LANS) c' over the flat partition, from the updated moments."""
-        assert self.frags.flat is not None
-        w, g, m, v = self.frags.flat
-        c0 = sc[0].to(w.dtype)  # the same for every fragment (one step): 0-d tensors, no host read
-        b = v.sqrt().add_(c0[4])
-        r = (m / b).add_(w * c0[5])
-        if not self.lans:
-            return r, None
-        gt = g.to(w.dtype) * self._spread(sc[:, 0], w.dtype)
-        return r, gt.div_(b).add_(w * c0[6])
-
     def _moments_sumsq(self, sc: torch.Tensor) -> torch.Tensor:
         assert self.frags.flat is not None
         w, g, m, v = self.frags.flat
-        c0 = sc[0].to(w.dtype)
-        gt = g.to(w.dtype)
-        if self.lans:
-            gt = gt * self._spread(sc[:, 0], w.dtype)
-        m.lerp_(gt, c0[1])
-        v.mul_(c0[2]).add_(gt * gt * c0[3])
-        del gt
-        r, c = self._ru_cu(sc)
-        rsq, wsq = self._segment_sumsq(r), self._segment_sumsq(w)
-        csq = self._segment_sumsq(c) if c is not None else torch.zeros_like(rsq)
+        s = sc[:, 0].to(w.dtype)
+        consts = sc[0, 1:].to(w.dtype)  # the same for every fragment (one step): no host read
+        self.r, self.c = torch.ops.wikipretrain.lans_flat_moments(g, w, m, v, self.frag, s, consts, self.lans)
+        rsq, wsq = self._sumsq(self.r), self._sumsq(w)
+        csq = self._sumsq(self.c) if self.lans else torch.zeros_like(rsq)
         return torch.stack([rsq, csq, wsq], dim=1)
 
     def _update(self, sc: torch.Tensor, a: torch.Tensor) -> None:
-        assert self.frags.flat is not None
+        assert self.frags.flat is not None and self.r is not None and self.c is not None
         w = self.frags.flat[0]
-        r, c = self._ru_cu(sc)
-        step = r.mul_(self._spread(a[:, 0], w.dtype))
-        if c is not None:
-            step.add_(c.mul_(self._spread(a[:, 1], w.dtype)))
-        w.add_(step)
+        torch.ops.wikipretrain.lans_flat_update(w, self.r, self.c, self.frag, a.to(w.dtype), self.lans)
+        self.r = self.c = None
 
 
 def _rows(table: torch.Tensor, ms: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -883,9 +966,16 @@ class _LayerwiseAdaptive(torch.optim.Optimizer):
             out = self._segs[key] = torch.tensor(values, dtype=torch.long, device=device)
         return out
 
-    def _lengths(self, f: GroupFragments) -> torch.Tensor:
-        """The fragments' lengths (``FlatKernels``)."""
-        return self._on_device("lengths", f.numels or [], f.device)
+    def _fragment_of_element(self, f: GroupFragments) -> torch.Tensor:
+        """The fragment of each element of a flat partition (int32, ``FlatKernels``), built once per layout."""
+        numels = tuple(f.numels or [])
+        key = ("fragment of element", f.device, numels)
+        out = self._segs.get(key)
+        if out is None:
+            lengths = torch.tensor(numels, dtype=torch.long, device=f.device)
+            ids = torch.arange(len(numels), dtype=torch.int32, device=f.device)
+            out = self._segs[key] = torch.repeat_interleave(ids, lengths, output_size=sum(numels))
+        return out
 
     def _seg(self, f: GroupFragments) -> torch.Tensor:
         """Fragment -> tensor index."""
