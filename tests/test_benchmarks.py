@@ -78,6 +78,9 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
         ["bench_wiki.py", "--workers", "1", "--repeat", "1", "--rss-repeats", "1", "1"] + ["--workdir", str(w)]
     ),
     "neox_loss": lambda w: ["bench_neox_loss.py", "--tiny"],
+    "gpu_readiness": lambda w: [
+        *("bench_gpu_readiness.py", "--tokens", "256", "--rows", "4", "--compile", "varlen", "--json"),
+    ],
 }
 
 
@@ -351,3 +354,27 @@ def test_bench_neox_loss(bench: TwoAtATime) -> None:
     for key in ("memory", "time"):
         ((ratio,),) = figures(rf"^ours/peer {key}: {NUM} \(", out)
         assert ratio > 0
+
+
+@pytest.mark.slow
+def test_bench_gpu_readiness(bench: TwoAtATime) -> None:
+    """The report's figures for bert-large layer shapes: the varlen operator moves less outside the matmuls than
+    the padded kernel, forward and backward; no host sync on the accelerator path; one compiled graph for five
+    micro-batch shapes, no break; the flat-partition LANS/LAMB step at most 100 bytes per parameter, under the
+    foreach path's."""
+    import json
+
+    out, _ = bench("gpu_readiness")
+    report = json.loads(out.strip().splitlines()[-1])
+    varlen, padded = report["bytes"]["varlen"], report["bytes"]["padded"]
+    for phase in ("fwd", "bwd"):
+        assert 0 < varlen[f"{phase}_attention"] < varlen[f"{phase}_nonmatmul"] < padded[f"{phase}_nonmatmul"]
+    for kernel in ("varlen", "padded"):
+        syncs = report["syncs"][kernel]
+        assert (syncs["model"], syncs["optimizer"], syncs["impl"]) == (0, 0, "multi"), syncs
+    graphs = report["compile"]["varlen"]
+    assert graphs == {"after_2": 1, "after_5": 1, "breaks": 0, "whole": 1, "eager_fallback": 0}, graphs
+    opt = report["optimizer"]
+    for name in ("LANS", "LAMB"):
+        assert 0 < opt[f"{name}_multi"] <= 100 and opt[f"{name}_multi"] < opt[f"{name}_foreach"], opt
+    printed(rf"^  LANS_multi +{NUM}$", out)
