@@ -37,8 +37,9 @@ hands it to its ``fallback``:
   accelerators, the path of groups that are not a flat ZeRO partition.
 - ``"foreach"`` (``_ForeachKernels``): eager ``torch._foreach_*`` ops over the fragment lists; needs no
   compiler.
-- ``"multi"`` (``_FlatKernels``): a ZeRO group's flat partition as one tensor: a few element-wise kernels
-  and a segmented sum per phase, whatever the number of fragments, no host sync; groups that are not a flat
+- ``"multi"`` (``_FlatKernels``): a ZeRO group's flat partition as one tensor: per phase one multi-tensor
+  norm and at most one fused operator, whatever the number of fragments, no host sync: 72 bytes per element
+  and step for LANS, 56 for LAMB (``benchmarks/bench_gpu_readiness.py``); groups that are not a flat
   partition go to ``fused`` (accelerators) or ``foreach``. The accelerator path.
 
 ``impl="auto"`` takes ``cpu`` for CPU tensors and ``multi`` elsewhere, and falls back (with a warning) to
