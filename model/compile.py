@@ -119,7 +119,22 @@ def compile_blocks(model: nn.Module, backend: Any = "inductor") -> int:
         for m in modules:
             m.forward = _guarded(m.forward, backend, fallback)
     object.__setattr__(model, "compile_fallback", fallback)  # what a test or a report can read
+    _COMPILED_HERE.append(len(modules))
     return len(modules)
+
+
+_COMPILED_HERE: list[int] = []  # modules per compile_blocks call in this process
+
+
+def compile_stats() -> dict[str, int] | None:
+    """The training log's compile figures, once ``compile_blocks`` has run in this process (None before):
+    ``compiled_graphs`` (``compile_count``: it stops growing when every micro-batch shape reuses a graph) and
+    ``graph_breaks`` (TorchDynamo's count; 0 when each block is one graph)."""
+    if not _COMPILED_HERE:
+        return None
+    from torch._dynamo.utils import counters
+
+    return {"compiled_graphs": compile_count(), "graph_breaks": int(sum(counters["graph_break"].values()))}
 
 
 def compile_count() -> int:

@@ -157,10 +157,11 @@ def test_resume_is_exact(bert_data, straight_run, tmp_path):
 @pytest.mark.cuda  # on the GPU tier too: the padded-attention kernel there, the per-sequence one here
 def test_unpadded_and_padded_runs_train_the_same_model(bert_data, tmp_path):
     """Two ranks, ZeRO-2, activation checkpointing, FP32, no dropout: BERT unpadded (``model.unpad``, the
-    default, with the device's attention kernel) and padded see the same samples and must give the same loss at
-    every step (FP32 rounding apart: the in-process tests hold every kernel to a float64 run). Each counts what
-    it computed: the padded run every position, the unpadded one the real tokens, of the same data (one padding
-    fraction)."""
+    default, with the device's attention kernel), the same with its layers compiled whole (``model.compile``)
+    and padded see the same samples and must give the same loss at every step (FP32 rounding apart: the
+    in-process tests hold every kernel to a float64 run). The compiled run's micro-batches differ in token count
+    and lengths, yet it compiles no graph after its first step, and breaks none. Each counts what it computed:
+    the padded run every position, the unpadded one the real tokens, of the same data (one padding fraction)."""
     import torch
 
     from model.unpad import default_kernel
@@ -168,18 +169,23 @@ def test_unpadded_and_padded_runs_train_the_same_model(bert_data, tmp_path):
     same = ("deepspeed.precision=fp32", "model.dropout=0", "model.activation_checkpointing=true")
     same += ("train.steps=6", "train.eval_every=0", "checkpoint.every=0", "logging.every=1")
     runs = {}
-    for unpad in ("true", "false"):
-        run_dir = tmp_path / unpad
-        res = deepspeed(common(bert_data, run_dir, *same, f"model.unpad={unpad}"))
+    for name, extra in (("true", ()), ("compiled", ("model.compile=true",)), ("false", ("model.unpad=false",))):
+        run_dir = tmp_path / name
+        res = deepspeed(common(bert_data, run_dir, *same, *extra))
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
         kernel = default_kernel("cuda" if torch.cuda.is_available() else "cpu")
         on = f"model.unpad: BERT computes its real tokens only, {kernel} attention kernel"
-        assert (on in res.stdout + res.stderr) == (unpad == "true")
-        runs[unpad] = run_dir
-    unpadded, padded = (losses(runs[k]) for k in ("true", "false"))
+        assert (on in res.stdout + res.stderr) == (name != "false")
+        runs[name] = run_dir
+    unpadded, compiled, padded = (losses(runs[k]) for k in ("true", "compiled", "false"))
     assert sorted(unpadded) == list(range(1, 7))
     for step, loss in padded.items():
         assert unpadded[step] == pytest.approx(loss, rel=2e-5), (step, unpadded, padded)
+        assert compiled[step] == pytest.approx(loss, rel=2e-5), (step, compiled, padded)
+    rows = [json.loads(ln) for ln in (runs["compiled"] / "metrics.jsonl").read_text().splitlines()]
+    graphs = [(r["compiled_graphs"], r["graph_breaks"]) for r in rows if "loss" in r]
+    assert len(graphs) == 6 and graphs[0][0] > 0 and graphs == [(graphs[0][0], 0)] * 6, graphs
+    assert "compiled_graphs" not in (runs["true"] / "metrics.jsonl").read_text()
     on, off = (json.loads((runs[k] / "summary.json").read_text()) for k in ("true", "false"))
     assert off["tokens"] == off["samples"] * 128 > on["tokens"]  # padded: every position it computed
     assert on["padding_fraction"] == off["padding_fraction"] == pytest.approx(1 - on["tokens"] / off["tokens"])

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from common.log import get_logger
+from model.compile import compile_stats
 from model.flops import NO_WORK, Work, WorkCounter
 from training import collectives, events
 from training.checkpointer import Checkpointer, EventLog
@@ -305,6 +306,7 @@ class Trainer:
             **(self.last_eval if with_eval else {}),
             **self.performance(),
             "peak_memory_bytes": peak_memory_bytes(),
+            **(compile_stats() or {}),
         }
         self.logbook.write(record)
         self.logbook.console(record)
