@@ -3,9 +3,9 @@
 The convention (the BERT-speed issue's): every call the dispatcher sees (an aten op, or a custom op such as
 a compiled region or a C++ kernel registered with ``torch.library``) reads each distinct tensor input once
 and writes each output, and each input it mutates, once. A call that only makes a view (``is_view``, a
-``detach``) or allocates (``empty``) moves nothing. What happens inside a call (a compiled kernel's registers, a matmul's tiles) is
-not seen: the figure is the memory traffic an ideal implementation of each call would need, which is what
-fusing calls lowers.
+``detach``) or allocates (``empty``) moves nothing. What happens inside a call (a compiled kernel's
+registers, a matmul's tiles) is not seen: the figure is the memory traffic an ideal implementation of each
+call would need, which is what fusing calls lowers.
 
 Work the dispatcher does not see (a pybind function, a Triton kernel called directly) would count as zero.
 So a counter is given the tensors the code should change (``watch``): one that changed while no counted call

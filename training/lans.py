@@ -353,16 +353,10 @@ def _fused_available(device: torch.device) -> bool:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _flat_moments_body(
-    g: torch.Tensor,
-    w: torch.Tensor,
-    m: torch.Tensor,
-    v: torch.Tensor,
-    frag: torch.Tensor,
-    s: torch.Tensor,
-    consts: torch.Tensor,
-    lans: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+_T = torch.Tensor
+
+
+def _flat_moments_body(g: _T, w: _T, m: _T, v: _T, frag: _T, s: _T, consts: _T, lans: bool) -> tuple[_T, _T]:
     gt = g.to(w.dtype)
     if lans:
         gt = gt * s[frag]
@@ -376,9 +370,7 @@ def _flat_moments_body(
     return r, c
 
 
-def _flat_update_body(
-    w: torch.Tensor, r: torch.Tensor, c: torch.Tensor, frag: torch.Tensor, a: torch.Tensor, lans: bool
-) -> None:
+def _flat_update_body(w: _T, r: _T, c: _T, frag: _T, a: _T, lans: bool) -> None:
     step = a[:, 0][frag] * r
     if lans:
         step = step + a[:, 1][frag] * c
