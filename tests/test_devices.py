@@ -181,13 +181,14 @@ WEAK_ISA = {
 
 @pytest.mark.parametrize("isa", ["default env", "weaker ISA"])
 def test_cpu_peak_bounds_any_matmul_the_run_computes(tmp_path, isa):
-    """The peak is >= what a quick BF16 or FP32 matmul reaches at the same thread count, so MFU <= 1."""
+    """The peak is >= what a quick BF16 or FP32 matmul reaches at the same thread count (to the timing noise
+    between two samples of one rate, ``cpu_peak_check.NOISE``), so MFU <= 1."""
     r = _run_check(tmp_path, WEAK_ISA if isa == "weaker ISA" else {})
     if isa == "weaker ISA":
         assert "isa=DEFAULT" in r["key"]  # ATen really ran its baseline kernels, and the key says so
     assert r["first"] > 0 and r["attempts"] <= 10
     for name in ("bfloat16", "float32"):
-        assert r["peaks"][name] >= r["quick"][name] > 0, (name, r)
+        assert r["peaks"][name] >= r["noise"] * r["quick"][name] > 0, (name, r)
         assert r["cached"][name] == r["peaks"][name]
     assert r["both"] == max(r["peaks"].values())
     assert r["first"] <= r["both"]  # later measurements only ever raised it

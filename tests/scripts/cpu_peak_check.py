@@ -15,6 +15,11 @@ import torch
 from training.devices import cache_path, cpu_cache_key, cpu_peak_flops
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+# Two samples of the same rate differ by timer and clock noise: where a dtype's rate is the same at every size
+# (BF16 emulated on AVX2), the quick matmul's best of six products has beaten the peak's best of hundreds by
+# 0.2% (CI, 2026-11-28). A real fault (another thread count, another dtype, a kernel not at its best size) is
+# off by far more than this.
+NOISE = 0.97
 
 
 def quick_rate(dtype: torch.dtype, size: int, trials: int = 3) -> float:
@@ -38,7 +43,7 @@ def main() -> None:
         if attempts > 1:
             cpu_peak_flops(("bfloat16", "float32"), remeasure=True)
         peaks = {name: cpu_peak_flops((name,)) for name in DTYPES}
-        if all(peaks[n] >= quick[n] for n in DTYPES):
+        if all(peaks[n] >= NOISE * quick[n] for n in DTYPES):
             break
     both = cpu_peak_flops(("bfloat16", "float32"))
     cached = json.loads(cache_path().read_text())[cpu_cache_key()]
@@ -48,6 +53,7 @@ def main() -> None:
                 "key": cpu_cache_key(),
                 "threads": torch.get_num_threads(),
                 "quick": quick,
+                "noise": NOISE,
                 "first": first,
                 "first_s": first_s,
                 "attempts": attempts,
