@@ -358,6 +358,8 @@ def test_flat_partition_path_matches_reference(cls, dtype: torch.dtype, monkeypa
         torch.testing.assert_close(flat.detach().double(), torch.cat(ref), **tol)
         ref = [t.double().clone() for t in flat.detach().split(numels)]
     assert taken == [True] * 5 and opt.last_impl == "multi"
+    # the fused operators ran compiled (a failed compile would fall back to their eager bodies with a warning)
+    assert all(lans_mod._FLAT[(k, "cpu")] is not lans_mod._FLAT_BODIES[k] for k in ("moments", "update"))
     assert opt.state[flat]["exp_avg"].dtype == dtype
     assert not torch.equal(flat.detach(), torch.cat(init))
 

@@ -39,7 +39,7 @@ hands it to its ``fallback``:
   compiler.
 - ``"multi"`` (``_FlatKernels``): a ZeRO group's flat partition as one tensor: per phase one multi-tensor
   norm and at most one fused operator, whatever the number of fragments, no host sync: 72 bytes per element
-  and step for LANS, 56 for LAMB (``benchmarks/bench_gpu_readiness.py``); groups that are not a flat
+  and step for LANS, 52 for LAMB (``benchmarks/bench_gpu_readiness.py``); groups that are not a flat
   partition go to ``fused`` (accelerators) or ``foreach``. The accelerator path.
 
 ``impl="auto"`` takes ``cpu`` for CPU tensors and ``multi`` elsewhere, and falls back (with a warning) to
@@ -381,6 +381,14 @@ _FLAT_BODIES: dict[str, Callable[..., Any]] = {"moments": _flat_moments_body, "u
 _FLAT: dict[tuple[str, str], Callable[..., Any]] = {}  # (kernel, device type) -> compiled, or eager after a failure
 
 
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """What torch.compile raises when compiling fails (not when the computation does: an out-of-memory or a
+    real error propagates, and nothing is run twice)."""
+    from model.compile import _compile_errors as errors
+
+    return errors()
+
+
 def _run_flat(name: str, device: torch.device, *args: Any) -> Any:
     """Kernel ``name`` compiled for the device type (dynamic shapes: one graph per input kind); its eager body,
     with one warning, where compiling fails there."""
@@ -389,9 +397,9 @@ def _run_flat(name: str, device: torch.device, *args: Any) -> Any:
         _FLAT[key] = torch.compile(_FLAT_BODIES[name], dynamic=True, options={"cpp.dynamic_threads": True})
     try:
         return _FLAT[key](*args)
-    except Exception as e:  # noqa: BLE001 -- any compiler failure means "run the same maths eagerly"
+    except _compile_errors() as e:  # raised before the compiled code runs: nothing was written yet
         if _FLAT[key] is _FLAT_BODIES[name]:
-            raise  # the eager body itself failed: a real error
+            raise
         warnings.warn(
             f"torch.compile of the LANS/LAMB flat-partition kernel {name!r} failed on {device.type} "
             f"({type(e).__name__}: {str(e)[:300]}); running it eagerly",
@@ -640,8 +648,8 @@ class _CompiledKernels(_Kernels):
 
 
 class _FlatKernels(_Kernels):
-    """A ZeRO partition as one flat tensor: three passes over it per step, whatever its number of fragments
-    (no per-fragment launch, no host sync), at about 72 bytes moved per element for LANS with fp32 gradients
+    """A ZeRO partition as one flat tensor: four phases per step, whatever its number of fragments (no
+    per-fragment launch, no host sync), 72 bytes moved per element for LANS with fp32 gradients, 52 for LAMB
     (``benchmarks/bench_gpu_readiness.py`` counts them):
 
     - the per-fragment norms of g, then of r', c' and w: ``torch._foreach_norm`` over the fragments' views
@@ -651,7 +659,8 @@ class _FlatKernels(_Kernels):
     - the update: one fused kernel (``lans_flat_update``) reads w, r', c' and writes w.
 
     Per-fragment scalars (LANS's 1/(||g||+eps), the trust-ratio coefficients) reach the elements through one
-    int32 element -> fragment index, built once per layout and gathered inside the fused kernels. It takes
+    int32 element -> fragment index, built once per layout and gathered inside the fused kernels (it stays on
+    the device: 4 bytes per element of the partition; r' and c' live from the moments to the update: 8 more). It takes
     the fragments of a group whose flat partition they tile from its start, with every fragment at the same
     step (the bias corrections and weight-decay factors are then the same for all: ZeRO always), and hands
     the others to ``fallback``. The accelerator path of ``impl="auto"``; CPU CI runs it on CPU tensors
@@ -708,7 +717,8 @@ class _FlatKernels(_Kernels):
         w, g, m, v = self.frags.flat
         s = sc[:, 0].to(w.dtype)
         consts = sc[0, 1:].to(w.dtype)  # the same for every fragment (one step): no host read
-        self.r, self.c = torch.ops.wikipretrain.lans_flat_moments(g, w, m, v, self.frag, s, consts, self.lans)
+        frag = self.frag if self.lans else self.frag[:0]  # LAMB scales nothing per fragment: nothing to read
+        self.r, self.c = torch.ops.wikipretrain.lans_flat_moments(g, w, m, v, frag, s, consts, self.lans)
         rsq, wsq = self._sumsq(self.r), self._sumsq(w)
         csq = self._sumsq(self.c) if self.lans else torch.zeros_like(rsq)
         return torch.stack([rsq, csq, wsq], dim=1)
