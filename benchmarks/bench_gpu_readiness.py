@@ -10,7 +10,8 @@ than find these problems:
    the padded kernel's masked SDPA runs as its math decomposition (its ``[B, heads, m, m]`` scores count as
    other calls; CUDA's memory-efficient kernel keeps them on chip). ``jagged`` does not run on meta tensors.
 2. **Host synchronisations per training step on the accelerator path**: calls of ``Tensor.item``, ``tolist``
-   and ``__bool__`` on a device tensor, and ``nonzero``, ``masked_select`` and boolean indexing. The model's
+   and ``__bool__`` on a device tensor; ``nonzero``, ``masked_select``, boolean indexing and index assignment;
+   copies from the device to the host. The model's
    forward and backward, then a LANS step (``impl="auto"``: the flat-partition path) over the model's parameters
    as one ZeRO-like flat partition. On meta tensors, with the attention operator's flash branch taken: they take
    every branch a CUDA tensor takes (neither is a CPU tensor) and hold no values, so a read is found, not
@@ -21,10 +22,11 @@ than find these problems:
 4. **Optimizer bytes per parameter and step**, LANS and LAMB, each path the counter can see, on one layer's
    parameters (of ``--model``) as a flat partition split in fragments as ZeRO splits it; fp32 master weights
    and gradients, as DeepSpeed's BF16 optimizer hands them over. A path whose work the counter cannot see
-   (the C++ and per-fragment compiled kernels are not operators) fails rather than counts zero: ``cpu`` and
-   ``fused`` are not listed.
+   (the C++ kernels are not operators) fails rather than counts zero: ``cpu`` and
+   ``fused`` are not listed (``fused``'s compiled frames run eagerly under a dispatch mode, so a count would
+   describe its eager ops, not its kernels).
 
-    python benchmarks/bench_gpu_readiness.py --tokens 16384 --rows 128      # bert-large, phase 1's micro-batch
+    python benchmarks/bench_gpu_readiness.py --tokens 16384 --rows 128 --compile ""   # phase 1's micro-batch
     python benchmarks/bench_gpu_readiness.py --tokens 256 --rows 4 --compile varlen --json   # CI's toy size
 
 Prints one table per part, and with ``--json`` one JSON line of every figure.
@@ -153,12 +155,26 @@ def layer_bytes(spec: BertSpec, kernel: str, tokens: int, rows: int) -> dict[str
     return out
 
 
-# ---- 2: host synchronisations on fake CUDA ---------------------------------------------------------------
+# ---- 2: host synchronisations on the accelerator path ---------------------------------------------------------------
+
+
+def _bool_index(indices: Any) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices if i is not None)
+
+
+def _to_host(name: str, args: tuple, kwargs: dict) -> bool:
+    """A device-to-host copy (``.cpu()``, ``.to("cpu")``, ``host.copy_(device)``): the host waits for it."""
+    if name == "_to_copy":
+        return torch.device(kwargs.get("device") or args[0].device).type == "cpu"
+    if name == "copy_":
+        return args[0].device.type == "cpu" and isinstance(args[1], torch.Tensor) and args[1].device.type != "cpu"
+    return False
 
 
 class _SyncOps(torch.utils._python_dispatch.TorchDispatchMode):
-    """Counts the operators whose output size depends on device values (the host must wait to size it); one
-    count per call from the model's code (a boolean index's own ``nonzero`` inside is the same wait)."""
+    """Counts the operators whose output size depends on device values (the host must wait to size it), boolean
+    index assignment, and copies from the device to the host; one count per call from the model's code (a
+    boolean index's own ``nonzero`` inside is the same wait)."""
 
     def __init__(self, found: list[str]) -> None:
         super().__init__()
@@ -166,23 +182,28 @@ class _SyncOps(torch.utils._python_dispatch.TorchDispatchMode):
         self.inside = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         name = func._schema.name.split("::")[-1]
-        on_device = isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu"
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        on_device = any(t.device.type != "cpu" for t in tensors)
         counted = on_device and (
             name in ("nonzero", "masked_select")
-            or (
-                name == "index"
-                and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
-            )
+            or (name in ("index", "index_put", "index_put_") and _bool_index(args[1]))
+            or _to_host(name, args, kwargs)
         )
         if not counted or self.inside:
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         self.found.append(name)
-        if name == "masked_select" and args[0].device.type == "meta":  # no meta kernel: a stand-in
-            return args[0].new_empty(0)
+        if any(t.device.type == "meta" for t in tensors):  # stand-ins where meta tensors have no answer
+            if name == "masked_select":
+                return args[0].new_empty(0)
+            if name == "_to_copy":
+                return torch.empty(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+            if name == "copy_":
+                return args[0]
         self.inside = True
         try:
-            return func(*args, **(kwargs or {}))
+            return func(*args, **kwargs)
         finally:
             self.inside = False
 
@@ -192,7 +213,9 @@ def counting_syncs() -> Iterator[list[str]]:
     """Inside: every read of a device (meta) tensor's values is recorded by name (the patched methods return a
     stand-in value, so that the step goes on to find the next one)."""
     found: list[str] = []
-    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__")}
+    names = ("item", "tolist", "__bool__")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+    own = {name for name in names if name in vars(torch.Tensor)}  # the others are inherited: removed after
 
     def patched(name: str, standin: Any) -> Callable:
         def method(self, *args, **kwargs):
@@ -213,7 +236,10 @@ def counting_syncs() -> Iterator[list[str]]:
             yield found
     finally:
         for name, method in originals.items():
-            setattr(torch.Tensor, name, method)
+            if name in own:
+                setattr(torch.Tensor, name, method)
+            else:
+                delattr(torch.Tensor, name)
 
 
 def host_syncs(spec: BertSpec, kernel: str, tokens: int, rows: int) -> dict[str, Any]:
@@ -310,7 +336,7 @@ def optimizer_bytes(spec: BertSpec, impls: list[str]) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="bert-large")
-    ap.add_argument("--tokens", type=int, default=512, help="real tokens per micro-batch (about)")
+    ap.add_argument("--tokens", type=int, default=512, help="real tokens per micro-batch asked (rows cut at 128)")
     ap.add_argument("--rows", type=int, default=6, help="sequences per micro-batch")
     ap.add_argument(
         "--kernels", default="varlen,padded", help="attention kernels for parts 1 and 2 (jagged: not on meta)"
@@ -325,13 +351,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not isinstance(spec, BertSpec):
         ap.error(f"--model {args.model}: a BERT size")
     kernels = [k for k in args.kernels.split(",") if k]
-    report: dict[str, Any] = {"model": spec.name, "tokens": args.tokens, "rows": args.rows, "torch": torch.__version__}
+    real = int(micro_batch(args.tokens, args.rows, seed=1)["attention_mask"].sum())
+    report: dict[str, Any] = {"model": spec.name, "tokens": real, "rows": args.rows, "torch": torch.__version__}
 
+    print(f"{spec.name} layer shapes (hidden {spec.hidden}, {spec.heads} heads); torch {torch.__version__}")
     print(
-        f"{spec.name} layer shapes (hidden {spec.hidden}, {spec.heads} heads), about {args.tokens} tokens in "
-        f"{args.rows} rows of {SEQ_LEN}; torch {torch.__version__}"
+        f"\n1. bytes outside the matmuls per token and layer, eager BF16 ([T, hidden] BF16 units; {real} real "
+        f"tokens in {args.rows} rows of {SEQ_LEN})"
     )
-    print("\n1. bytes outside the matmuls per token and layer, eager BF16 ([T, hidden] BF16 units)")
     print(f"  {'kernel':8} {'fwd':>7} {'of it attention':>16} {'bwd':>7} {'of it attention':>16}")
     report["bytes"] = {}
     for kernel in kernels:

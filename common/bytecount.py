@@ -55,6 +55,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaNs in the same places counting as equal (an unchanged tensor holding NaN is unchanged)."""
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        return bool(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0)))
+    return torch.equal(a, b)
+
+
 def _span(t: torch.Tensor) -> tuple[int, int, int]:
     """The memory a tensor covers: (storage id, first byte, one past its last byte)."""
     storage = t.untyped_storage().data_ptr()
@@ -62,16 +69,30 @@ def _span(t: torch.Tensor) -> tuple[int, int, int]:
     return storage, start, start + _nbytes(t)
 
 
+# in-place ops that overwrite their tensor without reading it
+_WRITE_ONLY = {
+    "aten::copy_",
+    "aten::fill_",
+    "aten::zero_",
+    "aten::bernoulli_",
+    "aten::uniform_",
+    "aten::normal_",
+    "aten::random_",
+    "aten::exponential_",
+}
+
+
 def _arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[list, list]:
     """The tensors ``func`` reads and those its schema marks as written (``Tensor(a!)``, ``Tensor(a!)[]``);
-    an ``out=`` argument is written, not read."""
+    an ``out=`` argument, and the tensor a write-only in-place op fills, are written, not read."""
     read: list[torch.Tensor] = []
     written: list[torch.Tensor] = []
+    write_only = func._schema.name in _WRITE_ONLY
     for i, arg in enumerate(func._schema.arguments):
         value = _tensors(args[i] if i < len(args) else kwargs.get(arg.name))
         if arg.alias_info is not None and arg.alias_info.is_write:
             written.extend(value)
-            if arg.is_out:
+            if arg.is_out or write_only:
                 continue
         read.extend(value)
     return read, written
@@ -132,7 +153,7 @@ class ByteCounter(TorchDispatchMode):
         result = super().__exit__(exc_type, exc, tb)
         if exc_type is None:
             for i, (t, before) in enumerate(self._watch):
-                if torch.equal(t.detach(), before):
+                if _same(t.detach(), before):
                     continue
                 storage, start, end = _span(t)
                 if not any(s == storage and a < end and start < b for s, a, b in self._written):
