@@ -79,7 +79,10 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, also: Call
         if time.time() - start > 180 or proc.poll() is not None:
             logged = len(losses(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
             end_job(proc)
-            output, _ = proc.communicate(timeout=60)
+            try:
+                output, _ = proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:  # a process outside its group holds the pipe
+                output = "(its output: the pipe stayed open 60 s after the job was killed)"
             raise AssertionError(
                 f"training did not reach step {steps} in {time.time() - start:.0f} s (exit code {proc.returncode}, "
                 f"{logged} steps logged)\n{output[-4000:]}"
@@ -342,10 +345,11 @@ def test_a_stalled_data_loader_ends_its_rank_with_one_line(jobs: TwoAtATime):
     # its stopped worker was killed with it (a stopped process ignores SIGTERM: the launcher would spend its 30 s
     # grace on it, then SIGKILL it) ...
     assert job.workers_left == 0, f"rank 1's stopped DataLoader worker outlived it\n{output[-4000:]}"
-    # ... and rank 0 left by itself (its collective's peer is gone), before the launcher's grace ran out
+    # ... and rank 0 ended on the launcher's SIGTERM (its collective's peer is gone), well within the 30 s grace
+    # the launcher gives it before a SIGKILL
     took = job.job_ended - job.rank1_ended
     print(f"the job ended {took:.1f} s after rank 1")
-    assert took < 30, f"the job ended {took:.0f} s after rank 1\n{output[-4000:]}"
+    assert took < 25, f"the job ended {took:.0f} s after rank 1\n{output[-4000:]}"
 
 
 def test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit(jobs: TwoAtATime, bert_data):
