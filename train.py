@@ -36,8 +36,10 @@ def run(cfg: Config) -> int:
     from training import engine as ds_engine
     from training.build import build_engine, check_run_dir, model_spec, open_data
     from training.resume import check_shared, find_resume
+    from training.safeload import restrict
     from training.trainer import exit_code
 
+    restrict()  # every checkpoint load of this rank (DeepSpeed's too) reads weights only: a file runs no code
     ds_engine.start(cfg)  # precision and backend checks, the device, threads, determinism, the process group
     rank, world = collectives.rank(), collectives.world_size()
     grad_accum = gradient_accumulation(cfg.train, world)

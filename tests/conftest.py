@@ -235,6 +235,43 @@ def _close_prefork():
         server.close()
 
 
+def _is_checkpoint_file(path: Path) -> bool:
+    """A file a run's checkpoint holds and a resume, an export or a conversion reads (of DeepSpeed or ours)."""
+    name = path.name
+    return (
+        name.endswith(("_model_states.pt", "_optim_states.pt"))
+        or (name.startswith("rng_rank") and name.endswith(".pt"))
+        or any(p.name.startswith("universal-") for p in path.parents)
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _checkpoints_within_the_allowlist(tmp_path_factory):
+    """At the end of the session: every checkpoint file the suite wrote (ZeRO 0-3, BF16 and FP32, LANS, LAMB,
+    AdamW, background saves, universal conversions) names no global beyond ``training.safeload.ALLOWED``, so
+    a restricted load reads it. The doctored copies of test_untrusted_checkpoints.py and files the tests
+    damaged on purpose (no longer a zip) are left out, and counted."""
+    yield
+    import torch
+
+    from training.safeload import allowed_names
+
+    allowed, checked, damaged, beyond = allowed_names(), 0, 0, []
+    for path in sorted(tmp_path_factory.getbasetemp().rglob("*.pt")):
+        if "doctored" in path.parts or not _is_checkpoint_file(path):
+            continue
+        try:
+            unsafe = set(torch.serialization.get_unsafe_globals_in_checkpoint(path))
+        except (RuntimeError, ValueError, OSError):  # truncated or overwritten by a fault test
+            damaged += 1
+            continue
+        checked += 1
+        if unsafe - allowed:
+            beyond.append(f"{path}: {sorted(unsafe - allowed)}")
+    print(f"\ncheckpoint files checked against the allowlist: {checked} ({damaged} damaged on purpose, left out)")
+    assert not beyond, "checkpoint files name globals beyond training.safeload.ALLOWED:\n" + "\n".join(beyond[:20])
+
+
 def _start(argv: list[str], env: dict[str, str], files: Path) -> _Popened | _Forked:
     """``python -u ARGV`` from the repository root: forked by the prefork server where ``env`` allows."""
     server = _prefork(env)

@@ -11,6 +11,9 @@ from common.errors import run_cli
 
 def cmd_export(args: argparse.Namespace) -> int:
     from training.export import export_checkpoint
+    from training.safeload import restrict
+
+    restrict()  # a checkpoint from elsewhere runs no code here either
 
     out = export_checkpoint(args.checkpoint, args.out, tag=args.tag, tokenizer=args.tokenizer, overwrite=args.overwrite)
     print(f"exported {args.checkpoint} -> {out}")

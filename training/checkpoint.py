@@ -40,6 +40,7 @@ from common.atomic import atomic_write_text
 from common.errors import UserError
 from common.log import get_logger
 from training import collectives
+from training.safeload import refusing
 
 log = get_logger("train")
 
@@ -292,6 +293,7 @@ def _convert(ckpt_dir: Path, tag: str, out: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
+        "training.safeload",  # DeepSpeed's conversion, with every load restricted as in the ranks
         "deepspeed.checkpoint.ds_to_universal",
         "--input_folder",
         str(ckpt_dir / tag),
@@ -330,17 +332,20 @@ def load(engine, ckpt_dir: Path, tag: str, *, module_only: bool = False) -> None
 
     A universal tag (another world size) has no per-rank RNG states to restore: the caller re-seeds.
     """
-    load_path, _ = engine.load_checkpoint(
-        str(ckpt_dir),
-        tag=tag,
-        load_module_only=module_only,
-        load_optimizer_states=not module_only,
-        load_lr_scheduler_states=not module_only,
-    )
+    with refusing(ckpt_dir / tag):  # every load restricted (training.safeload): a refusal is one line
+        load_path, _ = engine.load_checkpoint(
+            str(ckpt_dir),
+            tag=tag,
+            load_module_only=module_only,
+            load_optimizer_states=not module_only,
+            load_lr_scheduler_states=not module_only,
+        )
     if load_path is None:
         raise UserError(f"{ckpt_dir / tag}: DeepSpeed could not load this checkpoint")
     if not module_only and not tag.startswith(UNIVERSAL_PREFIX):
         rng_file = ckpt_dir / tag / f"rng_rank{collectives.rank()}.pt"
         if not rng_file.exists():
             raise UserError(f"{rng_file} is missing: this checkpoint was written by a different world size")
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        with refusing(rng_file):
+            state = torch.load(rng_file, weights_only=True)
+        set_rng_state(state)

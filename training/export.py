@@ -23,6 +23,7 @@ from data.h5format import sha256_file
 from model.build import build_model
 from model.registry import family_of, spec_from_dict
 from training import checkpoint as ckpt
+from training.safeload import refusing, register
 
 
 def _umask() -> int:
@@ -46,7 +47,7 @@ def _fragments_state(files: list[Path], shapes: dict[str, torch.Size]) -> dict[s
     """Parameters from the FP32 partitions of DeepSpeed's BF16 optimizer, rank files given in rank order."""
     pieces: dict[str, list[torch.Tensor]] = {}
     for f in files:
-        osd = torch.load(f, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        osd = torch.load(f, map_location="cpu", weights_only=True)["optimizer_state_dict"]
         for flat, mapping in zip(osd["single_partition_of_fp32_groups"], osd["param_slice_mappings"]):
             for name, fragment in mapping.items():  # a parameter split across ranks has one fragment per rank
                 pieces.setdefault(name, []).append(flat.narrow(0, fragment.start, fragment.numel))
@@ -75,10 +76,10 @@ def consolidated_state(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
     files = sorted(rank_of, key=rank_of.__getitem__)
     first = {}
     if files:
-        first = torch.load(files[0], map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        first = torch.load(files[0], map_location="cpu", weights_only=True)["optimizer_state_dict"]
     if "zero_stage" in first:
         return get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-    model_states = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    model_states = torch.load(folder / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
     if "param_slice_mappings" in first:
         shapes = {k: v for group in model_states["param_shapes"] for k, v in group.items()}
         state = _fragments_state(files, shapes)
@@ -131,7 +132,9 @@ def export_checkpoint(
     family = family_of(spec)
     tokenizer = _training_tokenizer(client, tokenizer, family.tokenizer_file)
 
-    state = consolidated_state(ckpt_dir, tag)
+    register()  # the loads below are weights-only (the CLI restricts DeepSpeed's too): the allowlist's types
+    with refusing(ckpt_dir / tag):
+        state = consolidated_state(ckpt_dir, tag)
     model = build_model(spec)
     missing, unexpected = model.load_state_dict(state, strict=False)
     # Tied weights (BERT's decoder = word embeddings) may be stored once; everything else must match.
