@@ -7,6 +7,7 @@ test_train_faults.py and test_train_twonode.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -18,10 +19,11 @@ import pytest
 
 from common.errors import UserError
 from common.net import free_port
+from model.registry import get_spec, spec_to_dict
 from tests.conftest import REPO, common, run_env
 from training import checkpoint
 from training.config import CheckpointSection
-from training.resume import ResumePoint, check_shared, find_resume
+from training.resume import NOT_ARCHITECTURE, ResumePoint, RunIdentity, check_compatible, check_shared, find_resume
 
 
 @pytest.fixture
@@ -186,3 +188,35 @@ def test_every_file_and_directory_of_a_commit_is_fsynced(bert_data, tmp_path: Pa
     assert dirs <= synced_before, dirs - synced_before
     assert ["fsync", str(tag)] in log[complete_at:latest_at], "the tag directory after COMPLETE's rename"
     assert ["fsync", str(ckpt)] in log[latest_at:], "the checkpoint directory after latest's rename"
+
+
+def _identity_of(saved: dict) -> RunIdentity:
+    """The identity a run with exactly this client state's settings would have."""
+    return RunIdentity(**{f.name: saved[f.name] for f in dataclasses.fields(RunIdentity)})
+
+
+def test_resume_identity_is_every_spec_field_but_name_and_dropout(ckpt: Path) -> None:
+    """The architecture compared on resume is derived from the spec's fields: another ``model.dropout`` still
+    resumes, another NeoX ``rotary_base`` (a field the hand-kept list once missed) is refused in one line."""
+    saved = checkpoint.read_client_state(ckpt, "step00000008")
+    where = ckpt / "step00000008"
+    check_compatible(saved, _identity_of(saved), where)  # itself
+    other_dropout = _identity_of(saved)
+    other_dropout.model_spec["dropout"] = 0.0
+    other_dropout.model_spec["name"] = "renamed"
+    check_compatible(saved, other_dropout, where)
+    assert {"name", "dropout"} == NOT_ARCHITECTURE
+
+    neox = spec_to_dict(get_spec("neox-debug")) | {"padded_vocab": 50304}
+    edited = json.loads(json.dumps(saved)) | {"model_spec": neox | {"rotary_base": 500000.0}}
+    current = _identity_of(saved | {"model_spec": neox})
+    with pytest.raises(UserError) as e:
+        check_compatible(edited, current, where)
+    assert str(e.value) == (
+        f"{where}: checkpoint has model rotary_base=500000.0 but this run has rotary_base=10000.0; refusing to resume"
+    )
+    # a spec field an older checkpoint did not record counts at its default; the vocabulary's padding is compared
+    older = {k: v for k, v in neox.items() if k != "rotary_base"}
+    check_compatible(saved | {"model_spec": older}, current, where)
+    with pytest.raises(UserError, match="padded_vocab=50432 but this run has padded_vocab=50304"):
+        check_compatible(saved | {"model_spec": neox | {"padded_vocab": 50432}}, current, where)

@@ -15,6 +15,7 @@ from typing import Any
 from common.atomic import atomic_write_text
 from common.errors import UserError
 from common.log import get_logger
+from model.registry import spec_from_dict, spec_to_dict
 from training import collectives
 from training.checkpoint import (
     candidates,
@@ -34,7 +35,7 @@ class RunIdentity:
     """What every checkpoint of a run records about it (its static client state, beside the step, the data
     position and the RNG states), and what a resume is checked against.
 
-    A resume refuses another architecture (``model_spec``: the ``ARCHITECTURE_KEYS``) or another vocabulary
+    A resume refuses another architecture (``model_spec``: its ``architecture``) or another vocabulary
     (``vocab_sha256``), naming the field (``check_compatible``); another ``optimizer`` (its state does not
     carry over); and, at another ``world_size``, another ``global_batch`` (``find_resume``).
     """
@@ -56,25 +57,25 @@ class RunIdentity:
         return asdict(self)
 
 
-ARCHITECTURE_KEYS = (
-    "family",
-    "layers",
-    "hidden",
-    "heads",
-    "ffn",
-    "padded_vocab",
-    "pre_layernorm",
-    "rotary_pct",
-    "parallel_residual",
-    "max_positions",
-    "type_vocab",
-)
+NOT_ARCHITECTURE = frozenset({"name", "dropout"})
+"""The model spec's fields a resume may change: the size's label and the dropout rate (no parameter depends on
+them). Every other field of the family's spec, and the padded vocabulary, is architecture (``architecture``)."""
+
+
+def architecture(model_spec: dict[str, Any]) -> dict[str, Any]:
+    """The architecture a stored model spec describes: every field of its family's spec (one an older
+    checkpoint did not record at its default) and ``padded_vocab``, less ``NOT_ARCHITECTURE``."""
+    full = spec_to_dict(spec_from_dict(model_spec))
+    full["padded_vocab"] = model_spec.get("padded_vocab")
+    return {k: v for k, v in full.items() if k not in NOT_ARCHITECTURE}
 
 
 def check_compatible(saved: dict[str, Any], current: RunIdentity, where: Path) -> None:
     """Refuse to resume onto a different architecture or data vocabulary, naming the field."""
-    for key in ARCHITECTURE_KEYS:
-        a, b = saved["model_spec"].get(key), current.model_spec.get(key)
+    ours, theirs = architecture(current.model_spec), architecture(saved["model_spec"])
+    keys = ["family", *ours, *theirs]  # the family first, then the fields in the spec's order
+    for key in dict.fromkeys(keys):
+        a, b = theirs.get(key), ours.get(key)
         if a != b:
             raise UserError(
                 f"{where}: checkpoint has model {key}={a!r} but this run has {key}={b!r}; refusing to resume"
