@@ -305,8 +305,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from training import events
 
             events.record(Path(cfg.run.dir), "failure", rank=int(rank), why=why)
+        dump = ""
+        if cfg is not None:
+            from training.engine import flight_recorder_file
+
+            where = flight_recorder_file(int(rank), os.environ)  # None unless this rank runs NCCL
+            dump = f"; NCCL flight recorder: {where}" if where else ""
         print(
-            f"error: rank {rank}: {why}; the job ends here and resumes from its last checkpoint ({first})",
+            f"error: rank {rank}: {why}; the job ends here and resumes from its last checkpoint ({first}){dump}",
             file=sys.stderr,
             flush=True,
         )

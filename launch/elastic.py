@@ -301,6 +301,10 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, g
     # address if the agents share their rendezvous store with the workers: the others built it in their first
     # round and never publish it again (torch 2.13, dynamic_rendezvous.next_rendezvous). Opt out of sharing.
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", SUPERVISED_ENV: "1"}
+    # torchrun's agent gives its workers TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (tear down with SIGABRT) unless its
+    # own environment holds a value: 2, so a NCCL failure ends each rank through our one-line handler (the
+    # rank applies deepspeed.nccl_async_error_handling over whatever it inherits).
+    env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
     # The agent and its ranks run where this command was started, as under torchrun or the deepspeed launcher:
     # relative paths (run.dir, data.*, --config) name the same files for the ranks as for this process, which
     # follows run.dir's events. This repository's packages come first on their path.

@@ -181,3 +181,39 @@ def test_peer_lost_reads_gloo_and_nccl_errors(tmp_path):
         assert peer_lost(device) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_a_nccl_rank_takes_its_error_handling_from_the_config():
+    """torchrun gives its workers TORCH_NCCL_ASYNC_ERROR_HANDLING=1 and a user may export anything: the rank
+    cannot tell them apart, so deepspeed.nccl_async_error_handling decides, with one line when it differs."""
+    from training.engine import nccl_error_handling
+
+    assert nccl_error_handling(2, None) == ("2", None)
+    assert nccl_error_handling(2, "2") == ("2", None)
+    value, note = nccl_error_handling(2, "1")
+    assert value == "2"
+    assert note == (
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 in the environment (torchrun gives its workers 1); running with "
+        "deepspeed.nccl_async_error_handling=2"
+    )
+    value, note = nccl_error_handling(3, "2")  # a user who wants torch's default says so in the config
+    assert value == "3" and note is not None and "=3" in note
+
+
+def test_a_nccl_timeout_dumps_the_flight_recorder_into_the_run_directory(tmp_path):
+    from training.engine import FLIGHT_RECORDER_ENTRIES, flight_recorder_env, flight_recorder_file
+
+    env = flight_recorder_env(tmp_path / "run", {})
+    assert env == {
+        "TORCH_FR_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": str(FLIGHT_RECORDER_ENTRIES),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "run" / "nccl_trace_rank_"),
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": str(tmp_path / "run" / "nccl_trace_rank_"),
+    }
+    assert flight_recorder_file(5, env) == str(tmp_path / "run" / "nccl_trace_rank_5")
+    # what the user exported stays (either of torch's names); no dump configured, no file named
+    mine = flight_recorder_env(tmp_path, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "64", "TORCH_FR_DUMP_TEMP_FILE": "/x/fr_"})
+    assert mine["TORCH_FR_BUFFER_SIZE"] == "64" and mine["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/x/fr_"
+    assert flight_recorder_file(0, {}) is None
+    assert flight_recorder_file(0, {**env, "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}) is None

@@ -46,6 +46,10 @@ def test_base_include(tmp_path):
         (["train.steps=ten"], "train.steps: expected int, got 'ten'"),
         (["deepspeed.zero_stage=4"], "deepspeed.zero_stage: expected one of 0 | 1 | 2 | 3, got 4"),
         (
+            ["deepspeed.nccl_async_error_handling=5"],
+            "deepspeed.nccl_async_error_handling: expected one of 0 | 1 | 2 | 3, got 5",
+        ),
+        (
             ["train.global_batch=30", "train.micro_batch=8"],
             "train.global_batch=30 is not a multiple of train.micro_batch=8",
         ),

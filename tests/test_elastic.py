@@ -101,7 +101,9 @@ def test_elastic_job_ends_preempted_agent_killed_rank_aborted_budget_spent(bert_
         stderr=subprocess.STDOUT,
         text=True,
     )
-    the_rank(psutil.Process(proc.pid))
+    rank = the_rank(psutil.Process(proc.pid))
+    # torchrun's agent would give it 1 (SIGABRT on a NCCL error): launch elastic's agent passes 2 on
+    assert rank.environ().get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "2"
     wait_for_step(run_dir, 2, proc)
     proc.send_signal(signal.SIGTERM)
     out, ours = finish(proc)

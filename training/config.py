@@ -170,6 +170,11 @@ class DeepSpeedSection:
     timeout_s: int = 600
     """Collective timeout of every process group of the job (DeepSpeed's own groups included): a dead or hung
     rank ends the job within this bound instead of hanging it."""
+    nccl_async_error_handling: Literal[0, 1, 2, 3] = 2
+    """On NCCL, torch's ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` for every rank: 2 aborts the communicators of a
+    failed or timed-out collective and lets the rank end through our handler, in one line and with the
+    flight recorder's dump in ``run.dir`` (3, torch's default, and 1, torchrun's for its workers, tear the
+    process down with SIGABRT). The rank sets it whatever its environment says, and logs a different value."""
     overlap_comm: bool = True
     """ZeRO: overlap the gradient reduction with the backward pass (accelerators only; off on CPU)."""
     bucket_size: int = 200_000_000

@@ -6,12 +6,17 @@ import datetime
 import logging
 import os
 import warnings
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from common.errors import UserError
+from common.log import get_logger
 from training.config import Config, DeepSpeedSection, LoggingSection
+
+log = get_logger("train")
 
 
 def on_accelerator() -> bool:
@@ -128,12 +133,61 @@ def start(cfg: Config) -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     bind_device()  # before the process group: its first collectives run on this rank's own device
     if backend_for(section) == "nccl":
-        # A lost or hung peer: the watchdog aborts the communicators and the blocked wait returns, so our
-        # handler can end the rank with one line (the default, 3, tears the process down with SIGABRT).
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+        value, note = nccl_error_handling(section.nccl_async_error_handling, os.environ.get(ASYNC_ERROR_ENV))
+        os.environ[ASYNC_ERROR_ENV] = value
+        if note and os.environ.get("RANK", "0") == "0":
+            log.info(note)
+        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)  # where a timeout's dump lands
+        os.environ.update(flight_recorder_env(Path(cfg.run.dir), os.environ))
     timeout = datetime.timedelta(seconds=section.timeout_s)
     bound_every_group(timeout)
     deepspeed.init_distributed(dist_backend=backend_for(section), timeout=timeout, verbose=False)
+
+
+ASYNC_ERROR_ENV = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def nccl_error_handling(configured: int, env_value: str | None) -> tuple[str, str | None]:
+    """The ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` a NCCL rank runs with (``deepspeed.nccl_async_error_handling``),
+    and the line to log when its environment held another value. A lost or hung peer under 2: the watchdog
+    aborts the communicators and the blocked wait returns, so our handler ends the rank with one line. The
+    rank cannot tell torchrun's 1 (what its agent gives workers) from a user's own: the config decides."""
+    value = str(configured)
+    if env_value is None or env_value.strip() == value:
+        return value, None
+    return value, (
+        f"{ASYNC_ERROR_ENV}={env_value} in the environment (torchrun gives its workers 1); running with "
+        f"deepspeed.nccl_async_error_handling={configured}"
+    )
+
+
+FLIGHT_RECORDER_ENTRIES = 20000
+"""Collectives the NCCL flight recorder keeps per rank (a ring buffer of small records)."""
+
+
+def flight_recorder_env(run_dir: Path, env: Mapping[str, str]) -> dict[str, str]:
+    """What a NCCL rank sets so that a collective timeout dumps torch's flight recorder (the last
+    ``FLIGHT_RECORDER_ENTRIES`` collectives of every rank, what each was waiting on) into ``run_dir``: a file
+    per rank, ``nccl_trace_rank_<rank>`` (``flight_recorder_file``). Values the environment already holds are
+    kept. Both torch's names for each setting are set (the ``TORCH_FR_*`` ones are newer)."""
+    size = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or str(FLIGHT_RECORDER_ENTRIES)
+    prefix = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    prefix = prefix or str(run_dir / "nccl_trace_rank_")
+    return {
+        "TORCH_FR_BUFFER_SIZE": size,
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": size,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": env.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "1"),
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+    }
+
+
+def flight_recorder_file(rank: int, env: Mapping[str, str]) -> str | None:
+    """Where this rank's flight-recorder dump lands on a NCCL timeout (``flight_recorder_env``), if enabled."""
+    prefix = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if not prefix or env.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "0") in ("0", "false"):
+        return None
+    return f"{prefix}{rank}"
 
 
 def device_for(local_rank: int, device_count: int) -> int:
