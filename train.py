@@ -16,7 +16,8 @@ from pathlib import Path
 
 from common.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, SUPERVISED_ENV, USER_ERROR_WAIT_S, RankError, UserError
 from common.log import get_logger
-from training.config import Config, gradient_accumulation, load_config
+from data.reads import ShardDamaged, ShardUnavailable
+from training.config import Config, gradient_accumulation, load_config, read_retry_s
 
 log = get_logger("train")
 
@@ -47,7 +48,7 @@ def run(cfg: Config) -> int:
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     family = family_of(get_spec(cfg.model.name))  # validates the name before any data is read
     check_run_dir(run_dir)
-    data = open_data(cfg.data, cfg.train, cfg.model, family, grad_accum, rank, world)
+    data = open_data(cfg.data, cfg.train, cfg.model, family, grad_accum, rank, world, read_retry_s(cfg))
     spec = model_spec(cfg.model, cfg.data, data.attrs)
     check_shared(ckpt_dir)
     point = find_resume(
@@ -278,12 +279,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps({"config": cfg.to_dict(), "deepspeed": ds}, indent=2))
             return 0
         return run(cfg)
+    except ShardUnavailable as e:  # the filesystem failed the read through every retry: resume when it serves
+        rank = os.environ.get("RANK", "0")
+        if cfg is not None:
+            from training import events
+
+            events.record(Path(cfg.run.dir), "failure", rank=int(rank), why=e.one_line())
+        print(f"error: rank {rank}: {e.one_line()}", file=sys.stderr, flush=True)
+        os._exit(EXIT_PEER_LOST)  # no teardown: the other ranks wait in the step's collective
     except UserError as e:
         # every rank raises the same error: one line per node, in each node's log; a RankError is this rank's own
         if local_rank == 0 or isinstance(e, RankError):
             print(f"error: {e}", file=sys.stderr, flush=True)
         under_agent = "TORCHELASTIC_RUN_ID" in os.environ  # launch elastic must not retry it: it reads this
         own = int(os.environ.get("RANK", "0"))
+        if cfg is not None and isinstance(e, ShardDamaged):  # a run's failure, not a start refused: goodput's
+            from training import events
+
+            events.record(Path(cfg.run.dir), "failure", rank=own, why=str(e))
         if cfg is not None and under_agent and (own == 0 or isinstance(e, RankError)):
             from training import events
 

@@ -46,6 +46,7 @@ come from ``data.h5format``'s schema.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import signal
@@ -61,7 +62,8 @@ import torch
 
 from common.errors import UserError
 from common.log import get_logger
-from data import h5format
+from data import h5format, reads
+from data.reads import ReadRetry, ShardDamaged, ShardReadError
 
 log = get_logger("data.loader")
 
@@ -207,8 +209,8 @@ class ReadStats:
 class _Reader:
     """Reads whole units and gathers micro-batches; keeps the units its last two reads touched."""
 
-    def __init__(self, shards: h5format.ShardList, order: _Order) -> None:
-        self.shards, self.kind, self.order = shards, shards.kind, order
+    def __init__(self, shards: h5format.ShardList, order: _Order, retry: ReadRetry) -> None:
+        self.shards, self.kind, self.order, self.retry = shards, shards.kind, order, retry
         self.names = list(h5format.SCHEMAS[self.kind])  # packing order of a micro-batch row (see _unpack)
         self.units: dict[tuple[int, int], np.ndarray] = {}
         self.handles: dict[int, tuple[h5py.File, int | None]] = {}
@@ -219,26 +221,35 @@ class _Reader:
         got = self.handles.pop(s, None)
         if got is None:
             e = self.shards.entries[s]
-            try:
-                f = h5py.File(e.path, "r")
-            except OSError as err:
-                raise UserError(f"{e.path}: not a readable HDF5 file ({err})") from None
+            f = h5py.File(e.path, "r")  # an OSError here is classified and retried by _unit
             self.stats.files_opened += 1
             rows = f["input_ids"].shape[0] if "input_ids" in f else -1
             if rows != e.samples:
                 f.close()
-                raise UserError(f"{e.path}: {rows} rows but {self.shards.where} records {e.samples}")
+                raise ShardDamaged(f"{e.path}: {rows} rows but {self.shards.where} records {e.samples}")
             got = (f, h5format.chunk_rows_of(f))
             while len(self.handles) >= 64:
                 self.handles.pop(next(iter(self.handles)))[0].close()
         self.handles[s] = got  # most recently used last
         return got
 
+    def _drop(self, s: int) -> None:
+        """Forget shard ``s``'s handle after a failed read (the next attempt opens the file again)."""
+        got = self.handles.pop(s, None)
+        if got is not None:
+            with contextlib.suppress(Exception):  # closing a handle whose file failed may fail too
+                got[0].close()
+
     def _unit(self, s: int, k: int) -> np.ndarray:
-        f, chunk = self._file(s)
+        e = self.shards.entries[s]
         a = k * self.order.unit
-        z = min(a + self.order.unit, self.shards.entries[s].samples)
-        rows = _pack([f[n][a:z] for n in self.names])
+        z = min(a + self.order.unit, e.samples)
+
+        def attempt() -> tuple[np.ndarray, int | None]:
+            f, chunk = self._file(s)
+            return _pack([f[n][a:z] for n in self.names]), chunk
+
+        rows, chunk = reads.read(attempt, e.path, (a, z), e.file_bytes, self.retry, on_failure=lambda: self._drop(s))
         self.stats.rows_decoded += (-(-z // chunk) - a // chunk) * chunk if chunk else z - a
         return rows
 
@@ -445,10 +456,11 @@ class _Stream(torch.utils.data.IterableDataset):
         start: tuple[int, int, int],
         per_chunk: int,
         unpack: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], dict[str, list[int]]]],
+        retry: ReadRetry,
     ) -> None:
         super().__init__()
         self.shards, self.order, self.schedule, self.start = shards, order, schedule, start
-        self.per_chunk, self.unpack = per_chunk, unpack
+        self.per_chunk, self.unpack, self.retry = per_chunk, unpack, retry
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, list[int]]]]:
         info = torch.utils.data.get_worker_info()
@@ -459,7 +471,7 @@ class _Stream(torch.utils.data.IterableDataset):
             # and the worker is shut down with it. A worker nobody shuts down ends by itself a minute later.
             signal.signal(signal.SIGTERM, _outlive_sigterm)
             sys.excepthook = _rank_gone_quietly
-        reader = _Reader(self.shards, self.order)
+        reader = _Reader(self.shards, self.order, self.retry)
         try:
             for j, chunk in enumerate(self.schedule.chunks(*self.start, self.per_chunk)):
                 if j % K == k:
@@ -498,9 +510,11 @@ class PretrainingLoader:
         require_manifest: bool = True,
         unpad: bool = False,
         pin_memory: bool = False,
+        read_retry: ReadRetry | None = None,
     ) -> None:
         _check_ranks(dp_rank, dp_world, micro_batch=micro_batch, grad_accum=grad_accum, unit_rows=unit_rows or 1)
         self.pin_memory = pin_memory
+        self.read_retry = read_retry or ReadRetry()
         self.kind = kind
         self.shards = _open_shards(path, kind, expect, require_manifest, (dp_rank, dp_world))
         self.files, self.counts, self._attrs = self.shards.files, self.shards.counts, self.shards.attrs
@@ -584,7 +598,7 @@ class PretrainingLoader:
         start = (self.epoch, self.pos, self.micro)
         if self.num_workers <= 0:
             if self._reader is None:
-                self._reader = _Reader(self.shards, self.order)
+                self._reader = _Reader(self.shards, self.order, self.read_retry)
             for epoch, positions in self.schedule.iterate(*start):
                 batch = self._unpack(torch.from_numpy(self._reader.read(epoch, positions)))
                 self._consumed()
@@ -595,17 +609,21 @@ class PretrainingLoader:
             unpack = functools.partial(
                 _unpack_group, self.kind, widths=self._widths, unpad=self.unpad, micro=self.micro_batch
             )
+            stream = _Stream(self.shards, self.order, self.schedule, start, self._per_chunk(), unpack, self.read_retry)
             dl = torch.utils.data.DataLoader(
-                _Stream(self.shards, self.order, self.schedule, start, self._per_chunk(), unpack),
+                stream,
                 batch_size=None,
                 num_workers=self.num_workers,
                 prefetch_factor=self.prefetch_factor,
                 pin_memory=self.pin_memory,
             )
-            for cat, sizes in dl:
-                for batch in _uncollate(cat, sizes):
-                    self._consumed()
-                    yield batch
+            try:
+                for cat, sizes in dl:
+                    for batch in _uncollate(cat, sizes):
+                        self._consumed()
+                        yield batch
+            except ShardReadError as e:  # from a worker: torch re-raised it with the worker's traceback as text
+                raise type(e)(e.one_line()) from None
 
     def _unpack(self, packed: torch.Tensor) -> dict[str, torch.Tensor]:
         batch = _unpack(self.kind, packed, self._widths, self.unpad)
@@ -748,9 +766,10 @@ class EvalSet:
         expect: dict | None = None,
         require_manifest: bool = True,
         unpad: bool = False,
+        read_retry: ReadRetry | None = None,
     ) -> None:
         _check_ranks(dp_rank, dp_world, micro_batch=micro_batch, n=n)
-        self.kind, self.unpad = kind, unpad
+        self.kind, self.unpad, self.read_retry = kind, unpad, read_retry or ReadRetry()
         self.shards = _open_shards(path, kind, expect, require_manifest, None)
         self.files, self.counts, self._attrs = self.shards.files, self.shards.counts, self.shards.attrs
         self._widths = _widths(kind, self._attrs)
@@ -783,17 +802,30 @@ class EvalSet:
 
     def _read(self) -> np.ndarray:
         """This rank's share, packed like the training loader's micro-batches."""
-        names = list(h5format.SCHEMAS[self.kind])
         pieces: list[np.ndarray] = []
         first = 0  # global index of the current shard's first sample
         for i, count in enumerate(self.counts):
             a, z = max(self.start, first) - first, min(self.stop, first + count) - first
             if a < z:
-                h5format.check_shard(self.shards, i)
-                with h5py.File(self.files[i], "r") as f:
-                    pieces.append(_pack([f[name][a:z] for name in names]))
+                pieces.append(
+                    reads.read(
+                        functools.partial(self._rows, i, a, z),
+                        self.files[i],
+                        (a, z),
+                        self.shards.entries[i].file_bytes,
+                        self.read_retry,
+                    )
+                )
             first += count
         return np.concatenate(pieces)
+
+    def _rows(self, i: int, a: int, z: int) -> np.ndarray:
+        with h5py.File(self.files[i], "r") as f:  # an OSError is classified and retried by reads.read
+            try:
+                h5format.check_shard(self.shards, i)
+            except UserError as e:
+                raise ShardDamaged(str(e)) from None
+            return _pack([f[name][a:z] for name in h5format.SCHEMAS[self.kind]])
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         if self._packed is None:

@@ -272,9 +272,10 @@ def _checkpoints_within_the_allowlist(tmp_path_factory):
     assert not beyond, "checkpoint files name globals beyond training.safeload.ALLOWED:\n" + "\n".join(beyond[:20])
 
 
-def _start(argv: list[str], env: dict[str, str], files: Path) -> _Popened | _Forked:
-    """``python -u ARGV`` from the repository root: forked by the prefork server where ``env`` allows."""
-    server = _prefork(env)
+def _start(argv: list[str], env: dict[str, str], files: Path, fresh: bool = False) -> _Popened | _Forked:
+    """``python -u ARGV`` from the repository root: forked by the prefork server where ``env`` allows, unless
+    ``fresh`` (a test-only ``sitecustomize`` on PYTHONPATH acts at interpreter start-up, which a fork skips)."""
+    server = None if fresh else _prefork(env)
     if server is not None:
         return _Forked(server, argv, env, files)
     return _Popened(argv, env)
@@ -301,7 +302,12 @@ def run_python(args: list[str], timeout: float = 300, env: dict | None = None) -
 
 
 def start_ranks(
-    script: list[str], ranks: int, timeout: float = 300, env: dict | None = None, one_device: bool = False
+    script: list[str],
+    ranks: int,
+    timeout: float = 300,
+    env: dict | None = None,
+    one_device: bool = False,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
     """``ranks`` processes of ``script`` (a path and its arguments) on this machine, with the environment the
     DeepSpeed launcher gives its ranks (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_*, MASTER_*), started
@@ -332,7 +338,7 @@ def start_ranks(
             local = 0 if one_device else r
             argv = [script[0], f"--local_rank={local}", *script[1:]]
             rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(local)}
-            procs.append(_start(argv, rank_env, files / f"rank{r}"))
+            procs.append(_start(argv, rank_env, files / f"rank{r}", fresh))
         deadline, failed_at, first_code, terminated = time.monotonic() + timeout, None, 0, False
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if failed_at is None:
@@ -510,13 +516,13 @@ def logs(caplog):
 
 
 def deepspeed(
-    args: list[str], ranks: int = 2, timeout: int = 300, env: dict | None = None
+    args: list[str], ranks: int = 2, timeout: int = 300, env: dict | None = None, fresh: bool = False
 ) -> subprocess.CompletedProcess:
-    """train.py on ``ranks`` ranks, started as the DeepSpeed launcher starts them (``start_ranks``); on a
-    machine with one GPU (the GPU tier) the ranks share it, under gloo."""
+    """train.py on ``ranks`` ranks, started as the DeepSpeed launcher starts them (``start_ranks``; ``fresh``:
+    new interpreters, never forked); on a machine with one GPU (the GPU tier) the ranks share it, under gloo."""
     one = ranks > 1 and shares_one_gpu()
     return start_ranks(
-        ["train.py", *args, *(["deepspeed.backend=gloo"] if one else [])], ranks, timeout, env, one_device=one
+        ["train.py", *args, *(["deepspeed.backend=gloo"] if one else [])], ranks, timeout, env, one, fresh
     )
 
 

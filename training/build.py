@@ -83,6 +83,7 @@ def _open_loader(
     world: int,
     expect: dict,
     unpad: bool,
+    read_retry,
 ):
     from deepspeed.accelerator import get_accelerator
 
@@ -106,16 +107,25 @@ def _open_loader(
         require_manifest=data.require_manifest,
         unpad=unpad,
         pin_memory=get_accelerator().device_name() == "cuda",  # pinned by the DataLoader's thread
+        read_retry=read_retry,
     )
 
 
 def open_data(
-    data: DataSection, train: TrainSection, model: ModelSection, family, grad_accum: int, rank: int, world: int
+    data: DataSection,
+    train: TrainSection,
+    model: ModelSection,
+    family,
+    grad_accum: int,
+    rank: int,
+    world: int,
+    read_retry_s: float,
 ) -> RunData:
     """Open the shards the model family reads, checking them against ``data.*`` (sequence length,
     vocabulary). With ``model.unpad`` the BERT micro-batches carry where their real tokens are, found on the
     host (``data.loader.unpadding_index``)."""
     from data.loader import EvalSet
+    from data.reads import ReadRetry
 
     kind = family.shard_kind if data.kind == "auto" else data.kind
     if kind != family.shard_kind:
@@ -130,7 +140,10 @@ def open_data(
         vocab_sha = sha256_file(data.vocab)  # the hash the shard writers store
         expect[family.hash_key] = vocab_sha
     unpad = model.unpad and kind == "bert"
-    loader = _open_loader(data, train, data.train, "data.train", kind, grad_accum, rank, world, expect, unpad)
+    read_retry = ReadRetry(data.read_retries, read_retry_s)  # training and evaluation reads alike
+    loader = _open_loader(
+        data, train, data.train, "data.train", kind, grad_accum, rank, world, expect, unpad, read_retry
+    )
     eval_set = None
     if data.eval:
         if not Path(data.eval).exists():
@@ -145,6 +158,7 @@ def open_data(
             expect=expect,
             require_manifest=data.require_manifest,
             unpad=unpad,
+            read_retry=read_retry,
         )
     attrs = loader.attrs
     return RunData(loader, eval_set, kind, attrs, vocab_sha or attrs.get(family.hash_key))

@@ -84,6 +84,15 @@ class DataSection:
     require_manifest: bool = True
     """Refuse shard directories without ``manifest.json`` (an interrupted ``python -m data bert|gpt`` leaves
     one); false reads shards made elsewhere (NVIDIA's) as they are, every rank opening every file."""
+    read_retries: int = 4
+    """A shard read that fails while training or evaluating (an I/O error, a stale handle, a timeout, a file
+    briefly gone) is retried this many times, each wait twice the last, each retry logged with the shard and
+    rows; then the rank ends with exit 4 and the job resumes from its last checkpoint. A shard of another size
+    than its manifest records, or that does not decode, is not retried (exit 2). 0: no retries."""
+    read_retry_s: float | None = None
+    """The retries' waits in all, in seconds; below the data watchdog's bound (``DATA_STALL_SHARE`` of
+    ``deepspeed.timeout_s``), which a larger value is refused against. Default: 30 s, or half the bound
+    when that is less."""
 
 
 @dataclass
@@ -424,6 +433,18 @@ def node_mtbf_from_env(environ: dict[str, str] | None = None) -> float | None:
     return value
 
 
+DATA_STALL_SHARE = 0.8
+"""The data watchdog ends a rank whose next batch has not come within this share of ``deepspeed.timeout_s``
+(``training.watch.DataWatchdog``): below the collectives' own timeout, so the stalled rank names the cause."""
+
+
+def read_retry_s(cfg: Config) -> float:
+    """``data.read_retry_s``, its default resolved: 30 s, or half the data watchdog's bound when that is less."""
+    if cfg.data.read_retry_s is not None:
+        return cfg.data.read_retry_s
+    return min(30.0, DATA_STALL_SHARE * cfg.deepspeed.timeout_s / 2)
+
+
 def validate(cfg: Config) -> None:
     """Checks that need more than one field."""
     positive = {
@@ -471,6 +492,18 @@ def validate(cfg: Config) -> None:
         raise UserError(
             f"train.global_batch={cfg.train.global_batch} is not a multiple of "
             f"train.micro_batch={cfg.train.micro_batch}"
+        )
+    bound = DATA_STALL_SHARE * cfg.deepspeed.timeout_s
+    if cfg.data.read_retries < 0 or read_retry_s(cfg) < 0:
+        raise UserError(
+            f"data.read_retries and data.read_retry_s must be >= 0, got {cfg.data.read_retries} and "
+            f"{cfg.data.read_retry_s}"
+        )
+    if read_retry_s(cfg) >= bound:
+        raise UserError(
+            f"data.read_retry_s={read_retry_s(cfg):g} must be below the data watchdog's bound, "
+            f"{DATA_STALL_SHARE:g} x deepspeed.timeout_s={cfg.deepspeed.timeout_s} = {bound:g} s (the watchdog "
+            "would end the rank during the retries)"
         )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from common.errors import EXIT_PEER_LOST
 from training import collectives, events
+from training.config import DATA_STALL_SHARE
 
 LAUNCHER_POLL_S = 1.0  # how often a rank checks that its launchers are alive
 
@@ -94,7 +95,7 @@ class DataWatchdog:
     their next collective at about the moment it starts waiting, time out there with a less useful line.
     """
 
-    STALL_SHARE = 0.8
+    STALL_SHARE = DATA_STALL_SHARE
 
     def __init__(self, timeout_s: float, num_workers: int, run_dir: Path, on_stall: Any = None) -> None:
         self.timeout_s = timeout_s
