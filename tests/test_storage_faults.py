@@ -84,6 +84,31 @@ def test_shard_truncated_under_the_job_then_a_read_that_fails_once(bert_data, st
     assert [b[s] for s in range(5, 9)] == [a[s] for s in range(5, 9)]
 
 
+@pytest.mark.slow
+def test_a_shard_gone_under_the_job_ends_it_with_exit_4(bert_data, tmp_path):
+    """A transient fault that outlasts the retries: one line, a ``failure`` event and exit 4 (the exit a
+    restart follows)."""
+    data = _copy_data(bert_data, tmp_path)
+    shard = data["train"] / "bert-00000.h5"
+    run_dir = tmp_path / "run"
+    res = deepspeed(
+        common(data, run_dir, "data.num_workers=0", "data.read_retries=2", "data.read_retry_s=0.3"),
+        ranks=1,
+        env=_fault_env(f"vanish:0:{tmp_path / 'away.h5'}"),
+        fresh=True,
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 4, out[-4000:]
+    assert (tmp_path / "away.h5").exists()
+    (line,) = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith(f"error: rank 0: {shard}: rows "), line
+    assert "the read still failed after 2 retries over 0.3 s (the file is not there)" in line, line
+    assert out.count("read failed (the file is not there); retry") == 2, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    failures = [e for e in events.read(run_dir) if e["event"] == "failure"]
+    assert len(failures) == 1 and failures[0]["why"] == line.removeprefix("error: rank 0: "), failures
+
+
 def _loader(path: Path, workers: int, retry: ReadRetry) -> PretrainingLoader:
     return PretrainingLoader(
         path, "bert", micro_batch=4, grad_accum=1, dp_rank=0, dp_world=1, num_workers=workers, read_retry=retry

@@ -7,6 +7,8 @@ at interpreter start-up, as ``WP_READ_FAULT`` says (``MODE:POSITION:MARKER``):
   the shard of a unit that read needs and the rank has not read yet (to that unit's first byte of
   ``input_ids``; never longer than the file already is; not again where another rank truncated it first),
   then reads: the real read of a real truncated file fails. Once per rank (MARKER.<rank>).
+- ``vanish``: the rank's first read at or after POSITION moves the shard of the first unit it needs away, to
+  MARKER (a shard gone from a shared filesystem), then reads.
 - ``fail_once``: the first shard open in a DataLoader worker of any rank raises EIO, once in the job (MARKER,
   created exclusively): the reader's retry then reads the real file.
 
@@ -49,6 +51,24 @@ def _truncate(position: int, marker: str) -> None:
     loader._Reader.read = read
 
 
+def _vanish(position: int, marker: str) -> None:
+    import numpy as np
+
+    from data import loader
+
+    real_read = loader._Reader.read
+
+    def read(self, epoch, positions):
+        if int(np.min(positions)) >= position and not os.path.exists(marker):
+            shard, _ = self.order.locate(epoch, positions)
+            os.rename(self.shards.entries[int(shard[0])].path, marker)
+            self.handles.clear()  # a handle opened earlier would go on reading the moved file
+            self.units.clear()
+        return real_read(self, epoch, positions)
+
+    loader._Reader.read = read
+
+
 def _fail_once(marker: str) -> None:
     import torch.utils.data
 
@@ -74,5 +94,7 @@ if _fault and sys.argv and sys.argv[0].endswith("train.py"):
     _mode, _position, _marker = _fault.split(":", 2)
     if _mode == "truncate":
         _truncate(int(_position), _marker)
+    elif _mode == "vanish":
+        _vanish(int(_position), _marker)
     elif _mode == "fail_once":
         _fail_once(_marker)
