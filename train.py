@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from common.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, SUPERVISED_ENV, USER_ERROR_WAIT_S, RankError, UserError
 from common.log import get_logger
@@ -264,6 +265,18 @@ def start_wandb(cfg: Config, run_dir: Path, resolved: dict):
     )
 
 
+def end_rank(cfg: Config | None, why: str, line: str) -> NoReturn:
+    """End this rank on a fault the job resumes from: a ``failure`` event, ``error: rank R: LINE``, exit 4,
+    without a teardown (it would wait on ranks blocked in the step's collective)."""
+    rank = os.environ.get("RANK", "0")
+    if cfg is not None:
+        from training import events
+
+        events.record(Path(cfg.run.dir), "failure", rank=int(rank), why=why)
+    print(f"error: rank {rank}: {line}", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_LOST)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -280,13 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         return run(cfg)
     except ShardUnavailable as e:  # the filesystem failed the read through every retry: resume when it serves
-        rank = os.environ.get("RANK", "0")
-        if cfg is not None:
-            from training import events
-
-            events.record(Path(cfg.run.dir), "failure", rank=int(rank), why=e.one_line())
-        print(f"error: rank {rank}: {e.one_line()}", file=sys.stderr, flush=True)
-        os._exit(EXIT_PEER_LOST)  # no teardown: the other ranks wait in the step's collective
+        end_rank(cfg, e.one_line(), e.one_line())
     except UserError as e:
         # every rank raises the same error: one line per node, in each node's log; a RankError is this rank's own
         if local_rank == 0 or isinstance(e, RankError):
@@ -307,29 +314,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             time.sleep(USER_ERROR_WAIT_S)  # launch elastic ends this process meanwhile (see SUPERVISED_ENV)
         return EXIT_USER_ERROR
     except RuntimeError as e:  # torch.distributed's DistBackendError included
+        from training import engine as ds_engine
         from training.collectives import peer_lost
 
         why = peer_lost(e)
         if why is None:
             raise
         first = str(e).strip().splitlines()[0][-160:]
-        rank = os.environ.get("RANK", "0")
-        if cfg is not None:
-            from training import events
-
-            events.record(Path(cfg.run.dir), "failure", rank=int(rank), why=why)
         dump = ""
-        if cfg is not None:
-            from training.engine import flight_recorder_file
-
-            where = flight_recorder_file(int(rank), os.environ)  # None unless this rank runs NCCL
-            dump = f"; NCCL flight recorder: {where}" if where else ""
-        print(
-            f"error: rank {rank}: {why}; the job ends here and resumes from its last checkpoint ({first}){dump}",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(EXIT_PEER_LOST)  # no teardown: it would wait on the peer that is not answering
+        if cfg is not None and ds_engine.backend_for(cfg.deepspeed) == "nccl":
+            dump = ds_engine.flight_recorder_note(int(os.environ.get("RANK", "0")), os.environ)
+        end_rank(cfg, why, f"{why}; the job ends here and resumes from its last checkpoint ({first}){dump}")
     finally:
         from common.process import end_process_group
 

@@ -211,6 +211,7 @@ class _Reader:
 
     def __init__(self, shards: h5format.ShardList, order: _Order, retry: ReadRetry) -> None:
         self.shards, self.kind, self.order, self.retry = shards, shards.kind, order, retry
+        self.outage = reads.Outage()  # the retries of one outage share their time, across units
         self.names = list(h5format.SCHEMAS[self.kind])  # packing order of a micro-batch row (see _unpack)
         self.units: dict[tuple[int, int], np.ndarray] = {}
         self.handles: dict[int, tuple[h5py.File, int | None]] = {}
@@ -249,7 +250,9 @@ class _Reader:
             f, chunk = self._file(s)
             return _pack([f[n][a:z] for n in self.names]), chunk
 
-        rows, chunk = reads.read(attempt, e.path, (a, z), e.file_bytes, self.retry, on_failure=lambda: self._drop(s))
+        rows, chunk = reads.read(
+            attempt, e.path, (a, z), e.file_bytes, self.retry, on_failure=lambda: self._drop(s), outage=self.outage
+        )
         self.stats.rows_decoded += (-(-z // chunk) - a // chunk) * chunk if chunk else z - a
         return rows
 
@@ -803,6 +806,7 @@ class EvalSet:
     def _read(self) -> np.ndarray:
         """This rank's share, packed like the training loader's micro-batches."""
         pieces: list[np.ndarray] = []
+        outage = reads.Outage()
         first = 0  # global index of the current shard's first sample
         for i, count in enumerate(self.counts):
             a, z = max(self.start, first) - first, min(self.stop, first + count) - first
@@ -814,6 +818,7 @@ class EvalSet:
                         (a, z),
                         self.shards.entries[i].file_bytes,
                         self.read_retry,
+                        outage=outage,
                     )
                 )
             first += count
@@ -822,8 +827,11 @@ class EvalSet:
     def _rows(self, i: int, a: int, z: int) -> np.ndarray:
         with h5py.File(self.files[i], "r") as f:  # an OSError is classified and retried by reads.read
             try:
-                h5format.check_shard(self.shards, i)
+                h5format.check_shard(self.shards, i)  # opens it again: a failure there may be transient too
             except UserError as e:
+                entry = self.shards.entries[i]
+                if reads.is_transient(OSError(str(e)), entry.path, entry.file_bytes):
+                    raise OSError(str(e)) from None
                 raise ShardDamaged(str(e)) from None
             return _pack([f[name][a:z] for name in h5format.SCHEMAS[self.kind]])
 

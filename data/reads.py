@@ -3,8 +3,9 @@ line naming the shard, the rows and the error.
 
 Shared filesystems (NFS, Lustre, FSx) fail a read for a moment and then serve it again: an I/O error, a stale
 handle after a server failover, a timeout, or a file that is briefly not there. ``read`` retries such a read
-``ReadRetry.retries`` times, waiting twice as long each time, ``ReadRetry.total_s`` in all; each retry is a
-warning naming the shard and rows. What is still failing then is ``ShardUnavailable``: the rank ends with
+``ReadRetry.retries`` times, waiting twice as long each time, within ``ReadRetry.total_s`` of the first
+failure (an ``Outage``, which every read of the reader shares until one succeeds); each retry is a warning
+naming the shard and rows. What is still failing then is ``ShardUnavailable``: the rank ends with
 ``EXIT_PEER_LOST`` (4), the job resumes from its last checkpoint, and ``launch elastic`` restarts it.
 
 A shard whose size is no longer what its manifest records (truncated, rewritten), or whose bytes do not
@@ -103,6 +104,15 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
 
 
+class Outage:
+    """When the reads of one reader began to fail (``None`` while they succeed): the retries of every read
+    during one outage share ``ReadRetry.total_s`` from that moment, however many units a micro-batch needs
+    and however long each failed attempt blocks, so the rank names the shard before the data watchdog fires."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+
 def read(
     fn: Callable[[], T],
     path: Path,
@@ -110,15 +120,17 @@ def read(
     file_bytes: int | None,
     policy: ReadRetry,
     on_failure: Callable[[], None] = lambda: None,
+    outage: Outage | None = None,
 ) -> T:
-    """``fn()``, which reads ``rows`` [a, b) of shard ``path``; a failed read is retried as the module says.
-    ``on_failure`` runs after every failed attempt (the reader drops its file handle: a stale handle is not
-    reused)."""
+    """``fn()``, which reads ``rows`` [a, b) of shard ``path``; a failed read is retried as the module says,
+    within the time ``outage`` has left (a new one: the whole ``policy.total_s``). ``on_failure`` runs after
+    every failed attempt (the reader drops its file handle: a stale handle is not reused)."""
     where = f"{path}: rows {rows[0]}-{rows[1] - 1}"
     waits = policy.waits()
+    outage = outage or Outage()
     for attempt in range(len(waits) + 1):
         try:
-            return fn()
+            got = fn()
         except (OSError, KeyError, ValueError) as err:  # h5py: OSError; a damaged file: also KeyError/ValueError
             on_failure()
             if not isinstance(err, OSError) or not is_transient(err, path, file_bytes):
@@ -126,16 +138,24 @@ def read(
                 raise ShardDamaged(
                     f"{where}: the shard is damaged ({_size(path)}{recorded}; {_first_line(err)})"
                 ) from None
-            if attempt == len(waits):
+            now = time.monotonic()
+            if outage.since is None:
+                outage.since = now
+            left = outage.since + policy.total_s - now
+            if attempt == len(waits) or left <= 0:
                 raise ShardUnavailable(
-                    f"{where}: the read still failed after {len(waits)} retries over {policy.total_s:g} s "
-                    f"({_first_line(err)}); the job resumes from its last checkpoint once the shard reads"
+                    f"{where}: the read still failed after {attempt} retries in {now - outage.since:.1f} s "
+                    f"(data.read_retry_s={policy.total_s:g}; {_first_line(err)}); the job resumes from its last "
+                    "checkpoint once the shard reads"
                 ) from None
+            wait = min(waits[attempt], left)
             log.warning(
-                f"{where}: read failed ({_first_line(err)}); retry {attempt + 1} of {len(waits)} in "
-                f"{waits[attempt]:.1f} s"
+                f"{where}: read failed ({_first_line(err)}); retry {attempt + 1} of {len(waits)} in {wait:.1f} s"
             )
-            time.sleep(waits[attempt])
+            time.sleep(wait)
+        else:
+            outage.since = None
+            return got
     raise AssertionError("unreachable")
 
 

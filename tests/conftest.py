@@ -269,15 +269,21 @@ def _checkpoints_within_the_allowlist(tmp_path_factory):
         if unsafe - allowed:
             beyond.append(f"{path}: {sorted(unsafe - allowed)}")
     print(f"\ncheckpoint files checked against the allowlist: {checked} ({damaged} damaged on purpose, left out)")
+    assert checked or not damaged, "every checkpoint file the suite wrote was unreadable"
     assert not beyond, "checkpoint files name globals beyond training.safeload.ALLOWED:\n" + "\n".join(beyond[:20])
 
 
-def _start(argv: list[str], env: dict[str, str], files: Path, fresh: bool = False) -> _Popened | _Forked:
-    """``python -u ARGV`` from the repository root: forked by the prefork server where ``env`` allows, unless
-    ``fresh`` (a test-only ``sitecustomize`` on PYTHONPATH acts at interpreter start-up, which a fork skips)."""
-    server = None if fresh else _prefork(env)
+def _start(argv: list[str], env: dict[str, str], files: Path) -> _Popened | _Forked:
+    """``python -u ARGV`` from the repository root: forked by the prefork server where ``env`` allows. A
+    test-only ``sitecustomize`` is named by ``WIKIPRETRAIN_TEST_SITECUSTOMIZE`` (its folder): on PYTHONPATH for
+    a fresh interpreter, run after the fork by a forked one (``tests.prefork``)."""
+    from tests.prefork import SITECUSTOMIZE_ENV
+
+    server = _prefork(env)
     if server is not None:
         return _Forked(server, argv, env, files)
+    if env.get(SITECUSTOMIZE_ENV):
+        env = {**env, "PYTHONPATH": env[SITECUSTOMIZE_ENV] + os.pathsep + env.get("PYTHONPATH", "")}
     return _Popened(argv, env)
 
 
@@ -307,7 +313,6 @@ def start_ranks(
     timeout: float = 300,
     env: dict | None = None,
     one_device: bool = False,
-    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
     """``ranks`` processes of ``script`` (a path and its arguments) on this machine, with the environment the
     DeepSpeed launcher gives its ranks (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_*, MASTER_*), started
@@ -338,7 +343,7 @@ def start_ranks(
             local = 0 if one_device else r
             argv = [script[0], f"--local_rank={local}", *script[1:]]
             rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(local)}
-            procs.append(_start(argv, rank_env, files / f"rank{r}", fresh))
+            procs.append(_start(argv, rank_env, files / f"rank{r}"))
         deadline, failed_at, first_code, terminated = time.monotonic() + timeout, None, 0, False
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if failed_at is None:
@@ -516,14 +521,12 @@ def logs(caplog):
 
 
 def deepspeed(
-    args: list[str], ranks: int = 2, timeout: int = 300, env: dict | None = None, fresh: bool = False
+    args: list[str], ranks: int = 2, timeout: int = 300, env: dict | None = None
 ) -> subprocess.CompletedProcess:
-    """train.py on ``ranks`` ranks, started as the DeepSpeed launcher starts them (``start_ranks``; ``fresh``:
-    new interpreters, never forked); on a machine with one GPU (the GPU tier) the ranks share it, under gloo."""
+    """train.py on ``ranks`` ranks, started as the DeepSpeed launcher starts them (``start_ranks``); on a
+    machine with one GPU (the GPU tier) the ranks share it, under gloo."""
     one = ranks > 1 and shares_one_gpu()
-    return start_ranks(
-        ["train.py", *args, *(["deepspeed.backend=gloo"] if one else [])], ranks, timeout, env, one, fresh
-    )
+    return start_ranks(["train.py", *args, *(["deepspeed.backend=gloo"] if one else [])], ranks, timeout, env, one)
 
 
 def shares_one_gpu() -> bool:

@@ -56,6 +56,9 @@ FORKABLE_ENV += ("MASTER_PORT", "PYTEST_CURRENT_TEST")
 FORKABLE_ENV += ("CUBLAS_WORKSPACE_CONFIG", "TORCHINDUCTOR_CACHE_DIR", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 FORKABLE_ENV += ("RAYON_RS_NUM_CPUS", "HF_DATASETS_OFFLINE", "PYTORCH_NVML_BASED_CUDA_CHECK")
 FORKABLE_PREFIXES = ("WIKIPRETRAIN_", "WANDB_")
+SITECUSTOMIZE_ENV = "WIKIPRETRAIN_TEST_SITECUSTOMIZE"
+"""A folder whose ``sitecustomize.py`` a rank runs at start-up: on PYTHONPATH for a fresh interpreter, run by
+the child after the fork here (the server's own start-up imported none)."""
 
 
 def serve(requests: int, replies: int) -> dict | None:
@@ -149,6 +152,11 @@ def main() -> None:
     if req is None:
         return
     script = become(req, set_by_imports)
+    hooks = os.environ.get(SITECUSTOMIZE_ENV)
+    if hooks:  # what a fresh interpreter with this folder on PYTHONPATH imports at start-up (tests/conftest.py)
+        path = os.path.join(hooks, "sitecustomize.py")  # exec, not runpy: that would change sys.argv[0]
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), {"__name__": "sitecustomize", "__file__": path})
     if script is None:
         runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
     else:

@@ -201,7 +201,7 @@ def test_a_nccl_rank_takes_its_error_handling_from_the_config():
 
 
 def test_a_nccl_timeout_dumps_the_flight_recorder_into_the_run_directory(tmp_path):
-    from training.engine import FLIGHT_RECORDER_ENTRIES, flight_recorder_env, flight_recorder_file
+    from training.engine import FLIGHT_RECORDER_ENTRIES, flight_recorder_env, flight_recorder_file, flight_recorder_note
 
     env = flight_recorder_env(tmp_path / "run", {})
     assert env == {
@@ -216,4 +216,12 @@ def test_a_nccl_timeout_dumps_the_flight_recorder_into_the_run_directory(tmp_pat
     mine = flight_recorder_env(tmp_path, {"TORCH_NCCL_TRACE_BUFFER_SIZE": "64", "TORCH_FR_DUMP_TEMP_FILE": "/x/fr_"})
     assert mine["TORCH_FR_BUFFER_SIZE"] == "64" and mine["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == "/x/fr_"
     assert flight_recorder_file(0, {}) is None
+    # the error line names the dump once torch has written it, and says so when it did not appear
+    assert flight_recorder_note(5, env, wait_s=0.3) == (
+        f"; no NCCL flight-recorder dump appeared at {tmp_path / 'run' / 'nccl_trace_rank_5'} within 0.3 s"
+    )
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "nccl_trace_rank_5").write_bytes(b"dump")
+    assert flight_recorder_note(5, env) == f"; NCCL flight recorder: {tmp_path / 'run' / 'nccl_trace_rank_5'}"
+    assert flight_recorder_note(5, {}) == ""
     assert flight_recorder_file(0, {**env, "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}) is None

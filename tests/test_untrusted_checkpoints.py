@@ -7,16 +7,14 @@ another world size. Each is refused with one line naming the file and the global
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import common, deepspeed
+from tests.conftest import common, deepspeed, run_python
 from training.checkpoint import UNIVERSAL_DONE, UNIVERSAL_PREFIX, tag_files
 from training.safeload import allowed_names
 
@@ -75,12 +73,7 @@ def test_the_planted_object_runs_code_when_unrestricted(straight_run, tmp_path):
 
 
 def _export(ckpt: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "training", "export", str(ckpt), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_python(["-m", "training", "export", str(ckpt), "--out", str(out)])
 
 
 def test_export_refuses_doctored_optimizer_and_model_states(doctored, tmp_path):
@@ -129,14 +122,10 @@ def test_init_from_refuses_doctored_model_states(bert_data, doctored, tmp_path):
 
 def _convert(tag: Path, out: Path) -> subprocess.CompletedProcess:
     """The conversion for another world size, as ``training.checkpoint.to_universal`` runs it."""
-    return subprocess.run(
-        [sys.executable, "-m", "training.safeload", "deepspeed.checkpoint.ds_to_universal"]
+    return run_python(
+        ["-m", "training.safeload", "deepspeed.checkpoint.ds_to_universal"]
         + ["--input_folder", str(tag), "--output_folder", str(out)]
-        + ["--num_extract_workers", "1", "--num_merge_workers", "1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "TORCH_FORCE_WEIGHTS_ONLY_LOAD": "0"},  # the wrapper restricts by itself
+        + ["--num_extract_workers", "1", "--num_merge_workers", "1"]
     )
 
 

@@ -18,6 +18,7 @@ import torch
 from common.errors import UserError
 from common.log import get_logger
 from data.h5format import sha256_file
+from data.reads import ReadRetry
 from training.config import DataSection, ModelSection, OptimizerSection, ScheduleSection, TrainSection
 
 log = get_logger("train")
@@ -83,7 +84,7 @@ def _open_loader(
     world: int,
     expect: dict,
     unpad: bool,
-    read_retry,
+    read_retry: ReadRetry,
 ):
     from deepspeed.accelerator import get_accelerator
 
@@ -125,7 +126,6 @@ def open_data(
     vocabulary). With ``model.unpad`` the BERT micro-batches carry where their real tokens are, found on the
     host (``data.loader.unpadding_index``)."""
     from data.loader import EvalSet
-    from data.reads import ReadRetry
 
     kind = family.shard_kind if data.kind == "auto" else data.kind
     if kind != family.shard_kind:

@@ -299,6 +299,8 @@ def _convert(ckpt_dir: Path, tag: str, out: Path) -> None:
         str(ckpt_dir / tag),
         "--output_folder",
         str(out),
+        # 1 and 1: in this process, where training.safeload registered the allowlist (worker processes would
+        # need it too, and a refusal there would not name its file)
         "--num_extract_workers",
         "1",
         "--num_merge_workers",

@@ -494,10 +494,10 @@ def validate(cfg: Config) -> None:
             f"train.micro_batch={cfg.train.micro_batch}"
         )
     bound = DATA_STALL_SHARE * cfg.deepspeed.timeout_s
-    if cfg.data.read_retries < 0 or read_retry_s(cfg) < 0:
+    if not 0 <= cfg.data.read_retries <= 16 or read_retry_s(cfg) < 0:
         raise UserError(
-            f"data.read_retries and data.read_retry_s must be >= 0, got {cfg.data.read_retries} and "
-            f"{cfg.data.read_retry_s}"
+            f"data.read_retries must be within [0, 16] and data.read_retry_s >= 0, got {cfg.data.read_retries} "
+            f"and {cfg.data.read_retry_s}"
         )
     if read_retry_s(cfg) >= bound:
         raise UserError(

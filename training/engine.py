@@ -137,8 +137,7 @@ def start(cfg: Config) -> None:
         os.environ[ASYNC_ERROR_ENV] = value
         if note and os.environ.get("RANK", "0") == "0":
             log.info(note)
-        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)  # where a timeout's dump lands
-        os.environ.update(flight_recorder_env(Path(cfg.run.dir), os.environ))
+        os.environ.update(flight_recorder_env(Path(cfg.run.dir), os.environ))  # check_run_dir makes the dir
     timeout = datetime.timedelta(seconds=section.timeout_s)
     bound_every_group(timeout)
     deepspeed.init_distributed(dist_backend=backend_for(section), timeout=timeout, verbose=False)
@@ -171,8 +170,7 @@ def flight_recorder_env(run_dir: Path, env: Mapping[str, str]) -> dict[str, str]
     per rank, ``nccl_trace_rank_<rank>`` (``flight_recorder_file``). Values the environment already holds are
     kept. Both torch's names for each setting are set (the ``TORCH_FR_*`` ones are newer)."""
     size = env.get("TORCH_FR_BUFFER_SIZE") or env.get("TORCH_NCCL_TRACE_BUFFER_SIZE") or str(FLIGHT_RECORDER_ENTRIES)
-    prefix = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-    prefix = prefix or str(run_dir / "nccl_trace_rank_")
+    prefix = _dump_prefix(env) or str(run_dir / "nccl_trace_rank_")
     return {
         "TORCH_FR_BUFFER_SIZE": size,
         "TORCH_NCCL_TRACE_BUFFER_SIZE": size,
@@ -182,12 +180,38 @@ def flight_recorder_env(run_dir: Path, env: Mapping[str, str]) -> dict[str, str]
     }
 
 
+def _dump_prefix(env: Mapping[str, str]) -> str | None:
+    return env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
 def flight_recorder_file(rank: int, env: Mapping[str, str]) -> str | None:
     """Where this rank's flight-recorder dump lands on a NCCL timeout (``flight_recorder_env``), if enabled."""
-    prefix = env.get("TORCH_FR_DUMP_TEMP_FILE") or env.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    prefix = _dump_prefix(env)
     if not prefix or env.get("TORCH_NCCL_DUMP_ON_TIMEOUT", "0") in ("0", "false"):
         return None
     return f"{prefix}{rank}"
+
+
+DUMP_WAIT_S = 15.0
+"""How long a NCCL rank that ends on a lost peer waits for torch to write its flight-recorder dump (torch's
+own wait for the dump, ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, is 15 s by default): the watchdog's monitor
+writes it a moment after the communicators are aborted, while the rank's handler would end the process."""
+
+
+def flight_recorder_note(rank: int, env: Mapping[str, str], wait_s: float = DUMP_WAIT_S) -> str:
+    """The tail of a NCCL rank's one-line error: the dump file once it exists (waiting up to ``wait_s``), or
+    that none appeared; empty where no dump is configured."""
+    import time
+
+    path = flight_recorder_file(rank, env)
+    if path is None:
+        return ""
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(path):
+        if time.monotonic() >= deadline:
+            return f"; no NCCL flight-recorder dump appeared at {path} within {wait_s:g} s"
+        time.sleep(0.2)
+    return f"; NCCL flight recorder: {path}"
 
 
 def device_for(local_rank: int, device_count: int) -> int:

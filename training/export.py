@@ -23,7 +23,7 @@ from data.h5format import sha256_file
 from model.build import build_model
 from model.registry import family_of, spec_from_dict
 from training import checkpoint as ckpt
-from training.safeload import refusing, register
+from training.safeload import refusing, restricted
 
 
 def _umask() -> int:
@@ -64,7 +64,13 @@ def _fragments_state(files: list[Path], shapes: dict[str, torch.Size]) -> dict[s
 
 
 def consolidated_state(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
-    """The checkpoint's FP32 weights (master weights where the run kept them), whole, on the CPU."""
+    """The checkpoint's FP32 weights (master weights where the run kept them), whole, on the CPU; every load
+    weights-only (``training.safeload``), DeepSpeed's included, also when called as a library."""
+    with restricted():
+        return _consolidated_state(ckpt_dir, tag)
+
+
+def _consolidated_state(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     folder = ckpt_dir / tag
@@ -132,7 +138,6 @@ def export_checkpoint(
     family = family_of(spec)
     tokenizer = _training_tokenizer(client, tokenizer, family.tokenizer_file)
 
-    register()  # the loads below are weights-only (the CLI restricts DeepSpeed's too): the allowlist's types
     with refusing(ckpt_dir / tag):
         state = consolidated_state(ckpt_dir, tag)
     model = build_model(spec)

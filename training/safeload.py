@@ -122,6 +122,22 @@ def restrict() -> None:
     register()
 
 
+@contextmanager
+def restricted() -> Iterator[None]:
+    """Every ``torch.load`` inside the block reads weights only, DeepSpeed's too (for callers in a process that
+    did not ``restrict`` itself, e.g. ``export_checkpoint`` as a library); the environment is restored after."""
+    register()
+    before = os.environ.get(FORCE_ENV)
+    os.environ[FORCE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(FORCE_ENV, None)
+        else:
+            os.environ[FORCE_ENV] = before
+
+
 _GLOBAL = re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose module)")
 
 

@@ -1,7 +1,8 @@
 """Storage faults under a real train.py job, at a chosen point of its data order.
 
-With this folder on PYTHONPATH, a train.py rank (and the DataLoader workers it forks) patches the shard reader
-at interpreter start-up, as ``WP_READ_FAULT`` says (``MODE:POSITION:MARKER``):
+Named by ``WIKIPRETRAIN_TEST_SITECUSTOMIZE`` (tests/conftest.py: on PYTHONPATH for a fresh interpreter, run after
+the fork by a forked rank), a train.py rank (and the DataLoader workers it forks) patches the shard reader at
+start-up, as ``WIKIPRETRAIN_TEST_READ_FAULT`` says (``MODE:POSITION:MARKER``):
 
 - ``truncate``: the rank's first read of a micro-batch at or after global position POSITION of the epoch truncates
   the shard of a unit that read needs and the rank has not read yet (to that unit's first byte of
@@ -89,7 +90,7 @@ def _fail_once(marker: str) -> None:
     loader._Reader._file = _file
 
 
-_fault = os.environ.get("WP_READ_FAULT")
+_fault = os.environ.get("WIKIPRETRAIN_TEST_READ_FAULT")
 if _fault and sys.argv and sys.argv[0].endswith("train.py"):
     _mode, _position, _marker = _fault.split(":", 2)
     if _mode == "truncate":
