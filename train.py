@@ -300,13 +300,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         under_agent = "TORCHELASTIC_RUN_ID" in os.environ  # launch elastic must not retry it: it reads this
         own = int(os.environ.get("RANK", "0"))
-        if cfg is not None and isinstance(e, ShardDamaged):  # a run's failure, not a start refused: goodput's
-            from training import events
+        from training import events
 
+        if cfg is not None and isinstance(e, ShardDamaged):  # a run's failure, not a start refused: goodput's
             events.record(Path(cfg.run.dir), "failure", rank=own, why=str(e))
         if cfg is not None and under_agent and (own == 0 or isinstance(e, RankError)):
-            from training import events
-
             events.record(Path(cfg.run.dir), "user_error", rank=own, message=str(e))
         if cfg is not None and under_agent and os.environ.get(SUPERVISED_ENV):
             import time

@@ -830,7 +830,7 @@ class EvalSet:
                 h5format.check_shard(self.shards, i)  # opens it again: a failure there may be transient too
             except UserError as e:
                 entry = self.shards.entries[i]
-                if reads.is_transient(OSError(str(e)), entry.path, entry.file_bytes):
+                if reads.is_transient(e, entry.path, entry.file_bytes):  # errno read from the message
                     raise OSError(str(e)) from None
                 raise ShardDamaged(str(e)) from None
             return _pack([f[name][a:z] for name in h5format.SCHEMAS[self.kind]])

@@ -90,9 +90,9 @@ class DataSection:
     rows; then the rank ends with exit 4 and the job resumes from its last checkpoint. A shard of another size
     than its manifest records, or that does not decode, is not retried (exit 2). 0: no retries."""
     read_retry_s: float | None = None
-    """The retries' waits in all, in seconds; below the data watchdog's bound (``DATA_STALL_SHARE`` of
-    ``deepspeed.timeout_s``), which a larger value is refused against. Default: 30 s, or half the bound
-    when that is less."""
+    """The seconds from a read's first failure within which the retries happen (the reads of one outage share
+    them); below the data watchdog's bound (``DATA_STALL_SHARE`` of ``deepspeed.timeout_s``), which a larger
+    value is refused against. Default: 30 s, or half the bound when that is less."""
 
 
 @dataclass
