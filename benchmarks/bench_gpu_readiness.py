@@ -51,6 +51,8 @@ from common.bytecount import ByteCounter, op_class  # noqa: E402
 from data.loader import unpadding_index  # noqa: E402
 from model.build import build_model  # noqa: E402
 from model.registry import BertSpec, get_spec  # noqa: E402
+from model.unpad import KERNELS  # noqa: E402
+from training.zero_map import GroupLayout  # noqa: E402
 
 SEQ_LEN = 128
 PREDICTIONS = 20
@@ -77,24 +79,6 @@ def micro_batch(tokens: int, rows: int, seed: int) -> dict[str, torch.Tensor]:
     }
     batch.update(unpadding_index(mask))
     return batch
-
-
-def zero_layout(numels: list[int]) -> Any:
-    """One flat partition holding tensors of ``numels`` in order, its first tensor split in two fragments (as
-    at a rank boundary), for a group of one rank."""
-    from training.zero_map import GroupLayout
-
-    first, half = numels[0], numels[0] // 2
-    starts = [0, half, *(first + sum(numels[1:k]) for k in range(1, len(numels)))]
-    return GroupLayout(
-        starts=starts,
-        numels=[half, first - half, *numels[1:]],
-        tensor_index=[0, *range(len(numels))],
-        num_tensors=len(numels),
-        partition_numel=sum(numels),
-        tensor_numels=list(numels),
-        process_group=object(),
-    )
 
 
 def device_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -257,7 +241,7 @@ def host_syncs(spec: BertSpec, kernel: str, tokens: int, rows: int) -> dict[str,
     flat = torch.nn.Parameter(torch.zeros(sum(numels), device="meta"))
     flat.grad = torch.zeros_like(flat)
     opt = L.LANS([flat], lr=1e-3)
-    opt.set_layouts({id(flat): zero_layout(numels)})
+    opt.set_layouts({id(flat): GroupLayout.split_first(numels, numels[0] // 2, process_group=object())})
     saved = L.allreduce_sums
     L.allreduce_sums = lambda sums, pg: sums  # one rank
     try:
@@ -319,7 +303,7 @@ def optimizer_bytes(spec: BertSpec, impls: list[str]) -> dict[str, float]:
                 torch.manual_seed(0)
                 flat = torch.nn.Parameter(torch.randn(sum(numels)))
                 opt = cls([flat], lr=1e-3, impl=impl)
-                opt.set_layouts({id(flat): zero_layout(numels)})
+                opt.set_layouts({id(flat): GroupLayout.split_first(numels, numels[0] // 2, process_group=object())})
                 for _ in range(2):
                     flat.grad = torch.randn_like(flat)
                     st = opt.state.get(flat, {})
@@ -351,6 +335,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not isinstance(spec, BertSpec):
         ap.error(f"--model {args.model}: a BERT size")
     kernels = [k for k in args.kernels.split(",") if k]
+    for flag, names in (("--kernels", kernels), ("--compile", [k for k in args.compile.split(",") if k])):
+        if unknown := sorted(set(names) - set(KERNELS)):
+            ap.error(f"{flag} {','.join(unknown)}: not an attention kernel (one of {', '.join(KERNELS)})")
     real = int(micro_batch(args.tokens, args.rows, seed=1)["attention_mask"].sum())
     report: dict[str, Any] = {"model": spec.name, "tokens": real, "rows": args.rows, "torch": torch.__version__}
 

@@ -35,7 +35,7 @@ from common.log import get_logger
 log = get_logger("model.compile")
 
 
-def _compile_errors() -> tuple[type[BaseException], ...]:
+def compile_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean "compilation failed" (not "the computation failed")."""
     import torch._dynamo.exc as dynamo_exc
 
@@ -90,7 +90,7 @@ class _Fallback:
 
 def _guarded(eager: Callable[..., Any], backend: Any, fallback: _Fallback) -> Callable[..., Any]:
     compiled = torch.compile(eager, dynamic=True, backend=backend)
-    errors = _compile_errors()
+    errors = compile_errors()
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if fallback.failed is None:

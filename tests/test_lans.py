@@ -69,20 +69,8 @@ def reference_step(params, grads, states, *, lr, b1, b2, eps, wd, step, lans: bo
 
 
 def split_layout(numels: list[int], split: int) -> GroupLayout:
-    """A ZeRO-like layout of one flat partition holding ``numels`` tensors in order, the first of them in two
-    fragments split at ``split`` (as at a rank boundary); a group of one rank (``process_group`` set, so the
-    sums go through the all-reduce)."""
-    first, rest = numels[0], numels[1:]
-    starts = [0, split, *(first + sum(rest[:k]) for k in range(len(rest)))]
-    return GroupLayout(
-        starts=starts,
-        numels=[split, first - split, *rest],
-        tensor_index=[0, *range(len(numels))],
-        num_tensors=len(numels),
-        partition_numel=sum(numels),
-        tensor_numels=list(numels),
-        process_group=object(),
-    )
+    """A one-rank group whose sums still go through the all-reduce (``process_group`` set)."""
+    return GroupLayout.split_first(numels, split, process_group=object())
 
 
 def _grads(model: torch.nn.Module, seed: int) -> None:
@@ -359,7 +347,8 @@ def test_flat_partition_path_matches_reference(cls, dtype: torch.dtype, monkeypa
         ref = [t.double().clone() for t in flat.detach().split(numels)]
     assert taken == [True] * 5 and opt.last_impl == "multi"
     # the fused operators ran compiled (a failed compile would fall back to their eager bodies with a warning)
-    assert all(lans_mod._FLAT[(k, "cpu")] is not lans_mod._FLAT_BODIES[k] for k in ("moments", "update"))
+    kernels = ("flat_moments", "flat_update")
+    assert all(k in lans_mod._COMPILED and (k, "cpu") not in lans_mod._EAGER for k in kernels)
     assert opt.state[flat]["exp_avg"].dtype == dtype
     assert not torch.equal(flat.detach(), torch.cat(init))
 

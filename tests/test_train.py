@@ -156,12 +156,13 @@ def test_resume_is_exact(bert_data, straight_run, tmp_path):
 
 @pytest.mark.cuda  # on the GPU tier too: the padded-attention kernel there, the per-sequence one here
 def test_unpadded_and_padded_runs_train_the_same_model(bert_data, tmp_path):
-    """Two ranks, ZeRO-2, activation checkpointing, FP32, no dropout: BERT unpadded (``model.unpad``, the
-    default, with the device's attention kernel), the same with its layers compiled whole (``model.compile``)
-    and padded see the same samples and must give the same loss at every step (FP32 rounding apart: the
-    in-process tests hold every kernel to a float64 run). The compiled run's micro-batches differ in token count
-    and lengths, yet it compiles no graph after its first step, and breaks none. Each counts what it computed:
-    the padded run every position, the unpadded one the real tokens, of the same data (one padding fraction)."""
+    """Two ranks, activation checkpointing, FP32, no dropout: BERT unpadded (``model.unpad``, the default, with
+    the device's attention kernel) at ZeRO-2, the same with its layers compiled whole (``model.compile``) at
+    ZeRO-1, and padded at ZeRO-2 see the same samples and must give the same loss at every step (FP32 rounding
+    apart: the in-process tests hold every kernel to a float64 run). The compiled run's micro-batches differ in
+    token count and lengths, yet it compiles no graph after its first step, and breaks none. Each counts what it
+    computed: the padded run every position, the unpadded one the real tokens, of the same data (one padding
+    fraction)."""
     import torch
 
     from model.unpad import default_kernel
@@ -172,7 +173,7 @@ def test_unpadded_and_padded_runs_train_the_same_model(bert_data, tmp_path):
     eager = ("model.compile=false",)  # on by default on a GPU (this test runs in the GPU tier too)
     for name, extra in (
         ("true", eager),
-        ("compiled", ("model.compile=true",)),
+        ("compiled", ("model.compile=true", "deepspeed.zero_stage=1")),
         ("false", ("model.unpad=false", *eager)),
     ):
         run_dir = tmp_path / name
@@ -192,6 +193,7 @@ def test_unpadded_and_padded_runs_train_the_same_model(bert_data, tmp_path):
     assert len(graphs) == 6 and graphs[0][0] > 0 and graphs == [(graphs[0][0], 0)] * 6, graphs
     assert "compiled_graphs" not in (runs["true"] / "metrics.jsonl").read_text()
     on, off = (json.loads((runs[k] / "summary.json").read_text()) for k in ("true", "false"))
+    assert json.loads((runs["compiled"] / "summary.json").read_text())["zero_stage"] == 1 == on["zero_stage"] - 1
     assert off["tokens"] == off["samples"] * 128 > on["tokens"]  # padded: every position it computed
     assert on["padding_fraction"] == off["padding_fraction"] == pytest.approx(1 - on["tokens"] / off["tokens"])
 

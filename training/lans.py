@@ -71,6 +71,7 @@ from typing import Any, ClassVar
 import torch
 
 from common.errors import UserError
+from model.compile import compile_errors
 from training import collectives
 from training.zero_map import GroupLayout, allreduce_sums, build_layouts
 
@@ -201,11 +202,11 @@ def _lamb_update_kernel(
     w.add_(a[0] * u)
 
 
-_COMPILED: dict[str, Callable] = {}
+_COMPILED: dict[str, Callable] = {}  # kernel name -> compiled (the bodies: ``_BODIES``, below)
 
 
 def _compiled(name: str) -> Callable:
-    """torch.compile'd kernel, built once per process.
+    """torch.compile'd kernel ``name`` of ``_BODIES``, built once per process.
 
     Dynamic shapes: one graph serves a whole size class (inductor still specialises on numel 1 and, for the
     sums, on numel > 4096, where it switches to cascade summation), times the input kinds seen (views or
@@ -213,17 +214,9 @@ def _compiled(name: str) -> Callable:
     dynamo's recompile limit, dynamo warns and runs the kernel's eager code (same maths) instead of failing.
     """
     if name not in _COMPILED:
-        kernels: dict[str, Callable[..., Any]] = {
-            "moments": _moments_kernel,
-            "lans_sumsq": _lans_sumsq_kernel,
-            "lamb_sumsq": _lamb_sumsq_kernel,
-            "lans_update": _lans_update_kernel,
-            "lamb_update": _lamb_update_kernel,
-        }
-        fn = kernels[name]
         # dynamic_threads: OpenMP parallel regions whatever the size seen at compile time, thread count read
         # at run time (torch.set_num_threads after compilation still applies).
-        _COMPILED[name] = torch.compile(fn, dynamic=True, options={"cpp.dynamic_threads": True})
+        _COMPILED[name] = torch.compile(_BODIES[name], dynamic=True, options={"cpp.dynamic_threads": True})
     return _COMPILED[name]
 
 
@@ -377,37 +370,35 @@ def _flat_update_body(w: _T, r: _T, c: _T, frag: _T, a: _T, lans: bool) -> None:
     w.add_(step)
 
 
-_FLAT_BODIES: dict[str, Callable[..., Any]] = {"moments": _flat_moments_body, "update": _flat_update_body}
-_FLAT: dict[tuple[str, str], Callable[..., Any]] = {}  # (kernel, device type) -> compiled, or eager after a failure
-
-
-def _compile_errors() -> tuple[type[BaseException], ...]:
-    """What torch.compile raises when compiling fails (not when the computation does: an out-of-memory or a
-    real error propagates, and nothing is run twice)."""
-    from model.compile import _compile_errors as errors
-
-    return errors()
+# Every compiled kernel's eager body, by name: the per-tensor path's five and the flat path's two.
+_BODIES: dict[str, Callable[..., Any]] = {
+    "moments": _moments_kernel,
+    "lans_sumsq": _lans_sumsq_kernel,
+    "lamb_sumsq": _lamb_sumsq_kernel,
+    "lans_update": _lans_update_kernel,
+    "lamb_update": _lamb_update_kernel,
+    "flat_moments": _flat_moments_body,
+    "flat_update": _flat_update_body,
+}
+_EAGER: set[tuple[str, str]] = set()  # (flat kernel, device type) where compiling it failed: its body runs
 
 
 def _run_flat(name: str, device: torch.device, *args: Any) -> Any:
-    """Kernel ``name`` compiled for the device type (dynamic shapes: one graph per input kind); its eager body,
-    with one warning, where compiling fails there."""
-    key = (name, device.type)
-    if key not in _FLAT:
-        _FLAT[key] = torch.compile(_FLAT_BODIES[name], dynamic=True, options={"cpp.dynamic_threads": True})
+    """Flat kernel ``name`` compiled (dynamic shapes: one graph per input kind); its eager body, with one
+    warning, on a device type where compiling it fails."""
+    if (name, device.type) in _EAGER:
+        return _BODIES[name](*args)
     try:
-        return _FLAT[key](*args)
-    except _compile_errors() as e:  # raised before the compiled code runs: nothing was written yet
-        if _FLAT[key] is _FLAT_BODIES[name]:
-            raise
+        return _compiled(name)(*args)
+    except compile_errors() as e:  # raised before the compiled code runs: nothing was written yet
         warnings.warn(
             f"torch.compile of the LANS/LAMB flat-partition kernel {name!r} failed on {device.type} "
             f"({type(e).__name__}: {str(e)[:300]}); running it eagerly",
             RuntimeWarning,
             stacklevel=3,
         )
-        _FLAT[key] = _FLAT_BODIES[name]
-        return _FLAT[key](*args)
+        _EAGER.add((name, device.type))
+        return _BODIES[name](*args)
 
 
 @torch.library.custom_op("wikipretrain::lans_flat_moments", mutates_args=("m", "v"))
@@ -422,7 +413,7 @@ def flat_moments(
     lans: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: m, v updated; returns r' and (LANS; else empty) c' over the flat partition."""
-    return _run_flat("moments", w.device, g, w, m, v, frag, s, consts, lans)
+    return _run_flat("flat_moments", w.device, g, w, m, v, frag, s, consts, lans)
 
 
 @flat_moments.register_fake
@@ -435,7 +426,7 @@ def flat_update(
     w: torch.Tensor, r: torch.Tensor, c: torch.Tensor, frag: torch.Tensor, a: torch.Tensor, lans: bool
 ) -> None:
     """In place: w += a_r r' + a_c c', the coefficients per fragment."""
-    _run_flat("update", w.device, w, r, c, frag, a, lans)
+    _run_flat("flat_update", w.device, w, r, c, frag, a, lans)
 
 
 @flat_update.register_fake
@@ -653,7 +644,7 @@ class _FlatKernels(_Kernels):
     (``benchmarks/bench_gpu_readiness.py`` counts them):
 
     - the per-fragment norms of g, then of r', c' and w: ``torch._foreach_norm`` over the fragments' views
-      (one read each; one multi-tensor kernel on accelerators), accumulated as the other paths do (float64 on
+      (one read each; one multi-tensor call for g, one for r', c' and w), accumulated as the other paths do (float64 on
       CPU and for float64 parameters, fp32 on accelerators);
     - the moments: one fused kernel (``lans_flat_moments``) reads g, w, m, v and writes m, v, r' and c';
     - the update: one fused kernel (``lans_flat_update``) reads w, r', c' and writes w.
@@ -690,14 +681,15 @@ class _FlatKernels(_Kernels):
     def takes(self, i: int, opt: _LayerwiseAdaptive) -> bool:
         return self.ok
 
-    def _sumsq(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-fragment sums of squares of a flat tensor (float64)."""
-        norms = torch._foreach_norm(x.split(self.numels), 2, dtype=self.acc)
-        return torch.stack(norms).to(torch.float64).square()
+    def _sumsq(self, *xs: torch.Tensor) -> torch.Tensor:
+        """Per-fragment sums of squares (float64) of flat tensors, one multi-tensor call: [len(xs), fragments]."""
+        views = [view for x in xs for view in x.split(self.numels)]
+        norms = torch.stack(torch._foreach_norm(views, 2, dtype=self.acc)).to(torch.float64)
+        return norms.square().view(len(xs), -1)
 
     def _grad_sumsq(self) -> torch.Tensor:
         assert self.frags.flat is not None
-        return self._sumsq(self.frags.flat[1])
+        return self._sumsq(self.frags.flat[1])[0]
 
     # Taking every fragment, in order, it writes the whole output: no index list to copy to the device.
     def grad_sumsq(self, out: torch.Tensor) -> None:
@@ -719,9 +711,10 @@ class _FlatKernels(_Kernels):
         consts = sc[0, 1:].to(w.dtype)  # the same for every fragment (one step): no host read
         frag = self.frag if self.lans else self.frag[:0]  # LAMB scales nothing per fragment: nothing to read
         self.r, self.c = torch.ops.wikipretrain.lans_flat_moments(g, w, m, v, frag, s, consts, self.lans)
-        rsq, wsq = self._sumsq(self.r), self._sumsq(w)
-        csq = self._sumsq(self.c) if self.lans else torch.zeros_like(rsq)
-        return torch.stack([rsq, csq, wsq], dim=1)
+        if self.lans:
+            return self._sumsq(self.r, self.c, w).T
+        rsq, wsq = self._sumsq(self.r, w)
+        return torch.stack([rsq, torch.zeros_like(rsq), wsq], dim=1)
 
     def _update(self, sc: torch.Tensor, a: torch.Tensor) -> None:
         assert self.frags.flat is not None and self.r is not None and self.c is not None

@@ -43,6 +43,22 @@ class GroupLayout:
     tensor_numels: list[int]
     process_group: Any = None
 
+    @classmethod
+    def split_first(cls, numels: list[int], split: int, process_group: Any = None) -> GroupLayout:
+        """One flat partition holding tensors of ``numels`` in order, the first of them in two fragments split
+        at ``split`` (as at a rank boundary). For tests and benchmarks: pass a ``process_group`` (any object, on
+        a world of one rank) to send the sums through the all-reduce path."""
+        first, rest = numels[0], numels[1:]
+        return cls(
+            starts=[0, split, *(first + sum(rest[:k]) for k in range(len(rest)))],
+            numels=[split, first - split, *rest],
+            tensor_index=[0, *range(len(numels))],
+            num_tensors=len(numels),
+            partition_numel=sum(numels),
+            tensor_numels=list(numels),
+            process_group=process_group,
+        )
+
 
 def allreduce_sums(sums: torch.Tensor, pg: Any) -> torch.Tensor:
     """Sum a small vector over the data-parallel group (on the accelerator when the backend is NCCL)."""
