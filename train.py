@@ -73,9 +73,9 @@ def run(cfg: Config) -> int:
             trainer.load_client_state(point.saved)
         elif cfg.train.init_from:
             trainer.checkpointer.initialise_from(Path(cfg.train.init_from))
-        announce(cfg, facts, ds_config, trainer, point)
+        startup_s = announce(cfg, facts, ds_config, trainer, point)
         perf = trainer.train()
-        report(facts, trainer, perf)
+        report(facts, trainer, perf, startup_s)
     finally:
         trainer.close()
     collectives.barrier()
@@ -89,6 +89,7 @@ def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir:
     from training import collectives
     from training.build import run_identity, seed_everything
     from training.checkpointer import Checkpointer, EventLog
+    from training.clock import Clock
     from training.lans import attach_zero
     from training.logbook import Logbook
     from training.trainer import Trainer, next_attempt
@@ -97,12 +98,15 @@ def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir:
     rank, world, run_dir = collectives.rank(), collectives.world_size(), Path(cfg.run.dir)
     resolved = cfg.to_dict()
     events_to = EventLog(run_dir, next_attempt(run_dir, rank), node_count())
+    clock = Clock(cfg.logging.warmup_steps)  # the run's time: the trainer's steps, the checkpointer's saves
     checkpointer = Checkpointer(
         cfg.checkpoint,
         ckpt_dir,
         engine,
         run_identity(spec, data, world, cfg.train, cfg.optimizer, resolved),
         lambda step: seed_everything(cfg.train.seed + 1000 * rank + step),
+        clock=clock,
+        steps=cfg.train.steps,
         events_to=events_to,
         after_load=[attach_zero],
     )
@@ -114,12 +118,19 @@ def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir:
         eval_set=data.eval_set,
         train=cfg.train,
         checkpointer=checkpointer,
-        logbook=Logbook(run_dir, rank, events_to.attempt, cfg.train.steps, engine.monitor),
+        logbook=Logbook(
+            run_dir,
+            rank,
+            events_to.attempt,
+            cfg.train.steps,
+            engine.monitor,
+            wandb_run=start_wandb(cfg, run_dir, resolved) if rank == 0 else None,
+        ),
         events_to=events_to,
         grad_accum=grad_accum,
         count=WorkCounter(spec, cfg.data.seq_len, max_pred, unpadded=bool(getattr(engine.module, "unpad", False))),
         peak_flops=facts.peak_flops_per_device,
-        warmup_steps=cfg.logging.warmup_steps,
+        clock=clock,
         log_every=cfg.logging.every,
         data_watchdog=DataWatchdog(cfg.deepspeed.timeout_s, cfg.data.num_workers, run_dir),
     )
@@ -160,15 +171,16 @@ def run_facts(cfg: Config, spec, family, world: int, grad_accum: int, engine, ev
     )
 
 
-def announce(cfg: Config, facts, ds_config: dict, trainer, point) -> None:
-    """Rank 0, before the first step: the resolved configs, the run's line, wandb, the start events."""
+def announce(cfg: Config, facts, ds_config: dict, trainer, point) -> float:
+    """Before the first step: rank 0 writes the resolved configs, the run's line and the start events. Returns
+    the start-up time (process start to here)."""
     from common.atomic import atomic_write_json
     from training import collectives, events
     from training.clock import process_age_s
 
-    trainer.startup_s = process_age_s()
+    startup_s = process_age_s()
     if collectives.rank() != 0:
-        return
+        return startup_s
     run_dir = Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(run_dir / "config.json", facts.config)
@@ -178,7 +190,6 @@ def announce(cfg: Config, facts, ds_config: dict, trainer, point) -> None:
         f"global {facts.global_batch} | seq {facts.seq_len} | ZeRO {facts.zero_stage} | {facts.precision} | "
         f"{facts.optimizer} | {facts.device_kind} | attempt {facts.attempt}"
     )
-    trainer.logbook.wandb_run = start_wandb(cfg, run_dir, facts.config)
     events.record(
         run_dir,
         "start",
@@ -191,7 +202,7 @@ def announce(cfg: Config, facts, ds_config: dict, trainer, point) -> None:
         flops=trainer.state.flops,
         resumed_from=point.tag if point else None,
         restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-        startup_s=round(trainer.startup_s, 3),
+        startup_s=round(startup_s, 3),
     )
     if point is not None and point.saved["world_size"] != facts.world_size:
         events.record(
@@ -202,9 +213,10 @@ def announce(cfg: Config, facts, ds_config: dict, trainer, point) -> None:
             previous=point.saved["world_size"],
             world_size=facts.world_size,
         )
+    return startup_s
 
 
-def report(facts, trainer, perf: dict) -> None:
+def report(facts, trainer, perf: dict, startup_s: float) -> None:
     """After the last step: the finish event, the replica digests, and rank 0's summary.json."""
     from common.atomic import atomic_write_json
     from training import collectives, events
@@ -235,7 +247,7 @@ def report(facts, trainer, perf: dict) -> None:
             perf,
             events.read(run_dir),
             peak_memory_bytes=int(peak_mem),
-            startup_s=trainer.startup_s,
+            startup_s=startup_s,
             wall_time_s=process_age_s(),
             final_loss=trainer.last_loss,
             evaluation=trainer.last_eval,

@@ -54,7 +54,7 @@ def _rank_main(rank: int, world: int, ckpt: str, fail_rank: int, out: str, port:
         state = {"w": torch.full((256, 256), float(rank)), "held": HeldBack(str(release)) if rank == 1 else 0}
         client = {"step": 10} if rank == 0 else None
         save = saving.BackgroundSave(ckpt_dir, 10, rank, [(state, str(target))], client)
-        reduction = StepReduction(torch.device("cpu"))
+        reduction = StepReduction(torch.device("cpu"), n_carried=2)  # what Checkpointer.flags() reports
         reduction.name_pieces({"loss": torch.zeros(())})
         seen: list[tuple[int, bool]] = []  # (ranks written, failed) as every step's collective told
         deadline = time.monotonic() + 120
@@ -63,12 +63,13 @@ def _rank_main(rank: int, world: int, ckpt: str, fail_rank: int, out: str, port:
             step += 1
             if rank == 1 and step == 10 + LATE_STEPS:
                 release.touch()
-            reduction.launch(step, torch.zeros(1), save_written=save.written, save_failed=save.failed)
+            reduction.launch(step, torch.zeros(1), carried=[float(save.written), float(save.failed)])
             reduction.read()
-            seen.append((reduction.saves_written, reduction.save_failed))
-            if reduction.save_failed or save.committed:
+            written, failed = round(reduction.carried[0]), reduction.carried[1] > 0
+            seen.append((written, failed))
+            if failed or save.committed:
                 break
-            if reduction.saves_written == world:
+            if written == world:
                 save.commit(keep=3)
             time.sleep(0.005)
         result: dict = {"seen": seen, "error": None, "committed": save.committed}

@@ -1,11 +1,20 @@
 """The trainer's checkpointing: when to save, how (synchronously or in the background), and restore.
 
-``Checkpointer`` owns every decision the training loop used to make about checkpoints: the interval
-(``checkpoint.every``, or ``auto``: Young's interval from the save cost measured in the run and the failure
-rate), the background save in flight and what the step's collective says of it, the last save after SIGTERM
-(only when it fits in ``checkpoint.preempt_grace_s``), and the restore of a resumed run (check, convert,
-load, the hooks that run after a load, re-seed, the schedule's rate). It takes only what it needs: the
-checkpoint section and folder, the engine, the run's identity, the re-seed callback and the hooks.
+``Checkpointer`` owns every decision about checkpoints: the interval (``checkpoint.every``, or ``auto``:
+Young's interval from the save cost measured in the run and the failure rate), the background save in flight
+and what the step's collective says of it, the last save (at the end, at ``train.stop_at_step``, and after
+SIGTERM only when it fits in ``checkpoint.preempt_grace_s``), and the restore of a resumed run (check,
+convert, load, the hooks that run after a load, re-seed, the schedule's rate). It gets what it needs at
+construction: the checkpoint section and folder, the engine, the run's identity, the run's clock and length,
+the re-seed callback and the hooks.
+
+The training loop calls three members, in this order:
+
+* ``flags()`` in every step: this rank's numbers for the step's collective (``training.trainer.StepReduction``
+  sums them over the ranks without reading them);
+* ``after_step(...)`` after every step, with the newest sums on the host: it follows the background save and
+  saves when one is due, and says whether the run must stop (a background save failed);
+* ``close(...)`` after the loop: the save in flight finished, then the last save.
 
 Storage, the write-and-vote protocol and the resume decision are in ``training.checkpoint``,
 ``training.saving`` and ``training.resume``.
@@ -27,6 +36,7 @@ from training.clock import Clock
 from training.config import CheckpointSection
 from training.resume import ResumePoint, RunIdentity, check_compatible
 from training.schedules import rates_at_current_step
+from training.watch import StopRequest
 
 log = get_logger("train")
 
@@ -61,29 +71,77 @@ class Checkpointer:
         identity: RunIdentity,
         reseed: Callable[[int], None],
         *,
+        clock: Clock,
+        steps: int,
         events_to: EventLog,
         after_load: Sequence[Callable[[Any], None]] = (),
     ) -> None:
         self.cfg, self.dir, self.engine, self.identity = section, ckpt_dir, engine, identity
         self.reseed, self.after_load, self.log = reseed, after_load, events_to
-        self.rank = collectives.rank()
-        self.clock: Clock | None = None  # the trainer's: saving stalls training and is paused out of its window
+        self.rank, self.world = collectives.rank(), collectives.world_size()
+        self.clock = clock  # the run's: saving stalls training and is paused out of its window
+        self.steps = steps  # train.steps: the run's last step is saved by close(), once
         self.last_save_s: float | None = None  # the training stall of the newest save
         self.full_save_s: float | None = None  # a whole save's duration (the grace check after SIGTERM)
         self.pending: saving.BackgroundSave | None = None
         self.host_buffers = saving.HostBuffers()  # background saves' host copies (pinned on accelerators)
         self.last_saved = -1
+        self._begun = False
         self._auto_next: int | None = None  # checkpoint.every=auto: the step of the next save
         self._auto_mark = (0.0, 0)  # (perf_counter, step) at the end of the newest save
 
-    # ------------------------------------------------------------------ when
-    def begin(self, step: int, warmup_steps: int) -> None:
-        """The loop starts at ``step``; ``auto`` saves first right after the warm-up, to measure the cost."""
-        if self.cfg.every == "auto":
-            self._auto_next = step + warmup_steps + 1
-            self._auto_mark = (time.perf_counter(), step)
+    # ------------------------------------------------------------------ the training loop's three calls
+    def flags(self) -> list[float]:
+        """This rank's part of the step's collective: whether its files of the background save in flight are
+        durable, and whether its write failed (``after_step`` gets the sums over the ranks)."""
+        pending = self.pending
+        return [float(pending is not None and pending.written), float(pending is not None and pending.failed)]
 
-    def due(self, step: int) -> bool:
+    def after_step(
+        self,
+        step: int,
+        as_of: int,
+        flags: Sequence[float],
+        settle: Callable[[], bool],
+        progress: Callable[[], dict[str, Any]],
+    ) -> bool:
+        """Once per step on every rank, after ``step``'s collective was launched. ``flags``: the sums over the
+        ranks of ``flags()`` in the newest collective on the host, that of step ``as_of``; ``settle``: reads
+        ``step``'s collective (waiting for it) and says whether the run stops at this step; ``progress``: what a
+        checkpoint holds beside the run's identity.
+
+        It follows the background save in flight (rank 0 commits it once every rank's files are durable), and
+        saves when a save is due, unless the run stops at this step or ends at it (``close`` saves then, within
+        the preemption grace). False: a background save failed, and every rank stops at this step (``close``
+        raises the line)."""
+        if not self._begun:
+            self._begin(step - 1)
+        if not self._follow(step, as_of, round(flags[0]), flags[1] > 0):
+            return False
+        if self._due(step) and step < self.steps:
+            with self.clock.paused():  # a due save waits for this step's stop flag (the one seen so far is older)
+                if not settle():
+                    self._save_scheduled(step, progress())
+        return True
+
+    def close(self, step: int, progress: Callable[[], dict[str, Any]], stop: StopRequest | None = None) -> None:
+        """After the loop, on every rank: the background save in flight committed (or its failure raised, the
+        same line on every rank), then a save of ``step`` unless it is saved already, or, when the run stops
+        for SIGTERM or a lost launcher (``stop``), unless the save does not fit in the grace left."""
+        self._finish_pending()
+        if step != self.last_saved and (stop is None or self._fits_after_sigterm(step, stop.at)):
+            self._save(step, progress())  # before the final evaluation, which can fail (out of memory)
+
+    # ------------------------------------------------------------------ when
+    def _begin(self, start: int) -> None:
+        """The loop started after ``start``; ``auto`` saves first right after the warm-up, to measure the
+        cost (the step time it plans with is measured from the end of the first step: compilation apart)."""
+        self._begun = True
+        if self.cfg.every == "auto":
+            self._auto_next = start + self.clock.warmup_steps + 1
+            self._auto_mark = (time.perf_counter(), start + 1)
+
+    def _due(self, step: int) -> bool:
         every = self.cfg.every
         if every == "auto":
             return self._auto_next is not None and step >= self._auto_next
@@ -122,7 +180,7 @@ class Checkpointer:
                 )
         self._auto_mark = (time.perf_counter(), step)
 
-    def fits_after_sigterm(self, step: int, requested_at: float | None) -> bool:
+    def _fits_after_sigterm(self, step: int, requested_at: float | None) -> bool:
         """After SIGTERM: whether a save can finish in what remains of ``checkpoint.preempt_grace_s``, judged by
         the previous save's duration (unknown: try). Rank 0 decides for every rank (a save is collective)."""
         now = time.monotonic()
@@ -138,12 +196,12 @@ class Checkpointer:
         return True
 
     # ------------------------------------------------------------------ saving
-    def save(self, step: int, progress: dict[str, Any], background: bool = False) -> str:
+    def _save(self, step: int, progress: dict[str, Any], background: bool = False) -> str:
         """Save at ``step`` (``progress``: step, samples, tokens, loader position): synchronously, or
         (``background``, ``checkpoint.async_save``) with the files written while training goes on and
         committed once every rank reports them durable. A save first finishes the background one in flight."""
         t0 = time.perf_counter()
-        self.finish_pending()  # its wait is part of this save's stall (and of checkpoint.every=auto's C)
+        self._finish_pending()  # its wait is part of this save's stall (and of checkpoint.every=auto's C)
         t1 = time.perf_counter()
         client = {**self.identity.to_dict(), **progress}
         counted: dict[str, float] = {k: progress[k] for k in ("tokens", "flops") if k in progress}  # for segments
@@ -171,17 +229,16 @@ class Checkpointer:
             log.info(f"saved checkpoint {self.dir / tag}")
         return tag
 
-    def save_scheduled(self, step: int, progress: dict[str, Any]) -> None:
-        """The loop's save at a due step: in the background when ``checkpoint.async_save``; with
-        ``checkpoint.every=auto``, the next save is planned from this one's cost."""
+    def _save_scheduled(self, step: int, progress: dict[str, Any]) -> None:
+        """A due save: in the background when ``checkpoint.async_save``; with ``checkpoint.every=auto``, the
+        next save is planned from this one's cost."""
         started = time.perf_counter()
-        self.save(step, progress, background=self.cfg.async_save)
+        self._save(step, progress, background=self.cfg.async_save)
         if self.cfg.every == "auto":
             self._plan_next(step, started)
 
     def _stalled(self, seconds: float) -> None:
-        if self.clock is not None:
-            self.clock.save_s += seconds
+        self.clock.save_s += seconds
 
     def _record(self, step: int, tag: str, save_s: float, **more: Any) -> None:
         if self.rank == 0:
@@ -212,11 +269,11 @@ class Checkpointer:
             **pending.counted,
         )
 
-    def follow(self, step: int, as_of: int, written: int, failed: bool, world: int) -> bool:
+    def _follow(self, step: int, as_of: int, written: int, failed: bool) -> bool:
         """What the step's collective says of the background save in flight, as of step ``as_of``
         (``written``: ranks whose files are durable; ``failed``: a rank's write or rank 0's commit failed):
         every rank's files are durable (rank 0 commits now), the commit stood (the save is done), or a
-        failure: False, and every rank stops at ``step`` (``finish_pending`` raises the line)."""
+        failure: False, and every rank stops at ``step`` (``close`` raises the line)."""
         pending = self.pending
         if pending is None or as_of <= pending.reported_step:
             return True
@@ -225,21 +282,16 @@ class Checkpointer:
             return False
         if pending.committed:  # and no rank reported the commit failed
             self.pending = None
-        elif written == world:
-            clock = self.clock
-            was_running = clock is not None and clock.running
-            if clock is not None:
-                clock.close()  # rank 0's commit (COMPLETE, latest, old tags removed) is not training time
-            t0 = time.perf_counter()
-            if pending.commit(self.cfg.keep, self._record_background(pending)):
-                self._committed(pending)
-            self._stalled(time.perf_counter() - t0)
+        elif written == self.world:
+            with self.clock.paused():  # rank 0's commit (COMPLETE, latest, old tags removed) is not training time
+                t0 = time.perf_counter()
+                if pending.commit(self.cfg.keep, self._record_background(pending)):
+                    self._committed(pending)
+                self._stalled(time.perf_counter() - t0)
             pending.reported_step = step  # the next collective says whether the commit stood
-            if was_running and clock is not None:
-                clock.open()
         return True
 
-    def finish_pending(self) -> None:
+    def _finish_pending(self) -> None:
         """Every rank at the same point: wait for the background save in flight (if any) and commit it, or
         raise its failure (the same line on every rank)."""
         pending, self.pending = self.pending, None

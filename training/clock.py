@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from training import collectives
@@ -55,6 +57,16 @@ class Clock:
             synchronize()
             self.window_s += time.perf_counter() - self._open
             self._open = None
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The block is outside the throughput window (evaluation, saving, logging, reading the step's
+        collective); the window reopens after it if it was open (not after an error: the run is ending)."""
+        was_running = self.running
+        self.close()
+        yield
+        if was_running:
+            self.open()
 
     def seconds(self) -> float:
         """The window so far (device work included: synchronises when open)."""

@@ -23,11 +23,13 @@ _EVAL_LABELS = (
 class Logbook:
     """Rank 0's record of a run. Every row carries ``attempt``: the steps a restart re-does stay visible."""
 
-    def __init__(self, run_dir: Path, rank: int, attempt: int, total_steps: int, monitor: Any = None) -> None:
+    def __init__(
+        self, run_dir: Path, rank: int, attempt: int, total_steps: int, monitor: Any = None, wandb_run: Any = None
+    ) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.rank, self.attempt, self.total_steps = rank, attempt, total_steps
         self.monitor = monitor  # DeepSpeed's (TensorBoard), when enabled
-        self.wandb_run: Any = None
+        self.wandb_run = wandb_run  # rank 0's, when logging.wandb.project is set
 
     def write(self, record: dict[str, Any]) -> None:
         if self.rank != 0:

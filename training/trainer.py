@@ -20,10 +20,11 @@ in [0, 1].
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
@@ -62,16 +63,14 @@ class TrainState:
 
 
 class StepReduction:
-    """Per step, one collective of the loss pieces and the named ``FLAGS``; read on the host without stalling
-    the device. ``stop``: a rank asked to stop (SIGTERM, its launcher gone); ``save_written`` and
-    ``save_failed`` count the ranks whose part of a background checkpoint save (``checkpoint.async_save``) is
-    durable, or failed: every rank learns at the same step that the save can be committed, or that the run
-    must stop."""
+    """Per step, one collective of the loss pieces, the stop flag, the checkpointer's numbers and the work
+    counts; read on the host without stalling the device. ``stop``: a rank asked to stop (SIGTERM, its launcher
+    gone). ``carried``: ``n_carried`` numbers the trainer does not read, summed over the ranks (the
+    checkpointer's ``flags()``: every rank learns at the same step what its background save's ranks report)."""
 
-    FLAGS = ("stop", "save_written", "save_failed")
-
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, n_carried: int = 0) -> None:
         self.device = device
+        self.n_carried = n_carried
         self.names: list[str] = []  # "loss" and the pieces the model returns, fixed at the first micro-batch
         self.host: torch.Tensor | None = None
         self.event: Any = None  # the accelerator's Event (DeepSpeed's abstraction: untyped)
@@ -79,37 +78,35 @@ class StepReduction:
         self.counts: list[float] = []  # the trainer's cumulative counts, summed over the ranks, as of ``step``
         self.step = 0  # the newest step whose values are on the host
         self.values: dict[str, float] = {}
-        self.flags: dict[str, float] = dict.fromkeys(self.FLAGS, 0.0)  # summed over the ranks, as of ``step``
+        self.carried = [0.0] * n_carried  # summed over the ranks, as of ``step``
         self.stop = False  # sticky: once a rank asked, every rank stops
-
-    @property
-    def saves_written(self) -> int:
-        return round(self.flags["save_written"])
-
-    @property
-    def save_failed(self) -> bool:
-        return self.flags["save_failed"] > 0
 
     def name_pieces(self, out: dict[str, torch.Tensor]) -> list[str]:
         if not self.names:
             self.names = ["loss", *(k for k in LOSS_PARTS if k in out)]
             pinned = self.device.type == "cuda"
-            size = len(self.names) + len(self.FLAGS) + self.n_counts
+            size = len(self.names) + 1 + self.n_carried + self.n_counts
             self.host = torch.zeros(size, dtype=torch.float64, pin_memory=pinned)
         return self.names
 
     n_counts = 2 * len(astuple(NO_WORK))
 
-    def launch(self, step: int, sums: torch.Tensor, counts: list[float] | None = None, **flags: bool) -> None:
+    def launch(
+        self,
+        step: int,
+        sums: torch.Tensor,
+        counts: list[float] | None = None,
+        *,
+        stop: bool = False,
+        carried: Sequence[float] = (),
+    ) -> None:
         """Start the step's collective: ``sums`` (the loss pieces), this rank's ``counts`` (``n_counts``
-        numbers, summed over the ranks; none: zeros) and ``flags`` (names from ``FLAGS``; those not given are
-        off)."""
-        unknown = set(flags) - set(self.FLAGS)
-        assert not unknown, unknown
+        numbers; none: zeros), its stop request and its ``carried`` numbers (``n_carried``; none: zeros)."""
         counts = [0.0] * self.n_counts if counts is None else counts
-        assert len(counts) == self.n_counts, counts
+        carried = carried or [0.0] * self.n_carried
+        assert len(counts) == self.n_counts and len(carried) == self.n_carried, (counts, carried)
         # the host's numbers in one copy, from pinned memory on CUDA: the host does not wait for the device
-        host = [1.0 if flags.get(name) else 0.0 for name in self.FLAGS] + [float(c) for c in counts]
+        host = [float(stop), *map(float, carried), *map(float, counts)]
         on = torch.tensor(host, dtype=torch.float64, pin_memory=self.device.type == "cuda")
         on = on.to(self.device, non_blocking=True)
         # the loss sums live on the compute device, the collective on the communication device (the CPU
@@ -134,9 +131,9 @@ class StepReduction:
         vals = self.host.tolist()
         n = len(self.names)
         self.step, self.values = self.pending, dict(zip(self.names, vals[:n]))
-        self.flags = dict(zip(self.FLAGS, vals[n : n + len(self.FLAGS)]))
-        self.counts = vals[n + len(self.FLAGS) :]
-        self.stop = self.stop or self.flags["stop"] > 0
+        self.stop = self.stop or vals[n] > 0
+        self.carried = vals[n + 1 : n + 1 + self.n_carried]
+        self.counts = vals[n + 1 + self.n_carried :]
         self.pending = None
 
 
@@ -153,7 +150,7 @@ class Trainer:
         grad_accum: int,
         count: WorkCounter,
         peak_flops: float | None,
-        warmup_steps: int,
+        clock: Clock,
         log_every: int,
         eval_set=None,
         data_watchdog: DataWatchdog | None = None,
@@ -165,14 +162,12 @@ class Trainer:
         self.data_watchdog = data_watchdog
         self.world = collectives.world_size()
         self.state = TrainState()
-        self.clock = Clock(warmup_steps)
-        checkpointer.clock = self.clock
+        self.clock = clock  # the checkpointer's too: it pauses its saves out of the throughput window
         self.stop = StopRequest()
         self.device = engine.device
         self._iter: Iterator[dict[str, torch.Tensor]] | None = None
         self.last_eval: dict[str, float] = {}
         self.last_loss: float | None = None
-        self.startup_s = 0.0  # process start to the first step (train.py sets it when the run is announced)
         # what this start computed, as model.flops.Work: this rank's (all steps; the window's), and every
         # rank's as of the reduction's newest step
         self.work, self.window_work = NO_WORK, NO_WORK
@@ -243,15 +238,13 @@ class Trainer:
         self.work += work
         if self.clock.running:  # the step is in the throughput window
             self.window_work += work
-        save = self.checkpointer.pending
         # Mean over the global batch: every micro-batch of every rank weighs the same.
         reduction.launch(
             self.state.step,
             sums / (self.grad_accum * self.world),
             [*astuple(self.work), *astuple(self.window_work)],
             stop=self.stop.requested,
-            save_written=save is not None and save.written,
-            save_failed=save is not None and save.failed,
+            carried=self.checkpointer.flags(),
         )
         return lr
 
@@ -264,6 +257,11 @@ class Trainer:
             self.job_work, self.job_window_work = Work(*map(round, job)), Work(*map(round, window))
             self.state.tokens = self._base[0] + self.job_work.computed
             self.state.flops = self._base[1] + float(self.job_work.flops)
+
+    def _settle(self, reduction: StepReduction) -> bool:
+        """The current step's collective read (waiting for it); whether the run stops at this step."""
+        self._read(reduction)
+        return reduction.stop
 
     def evaluate(self) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -318,11 +316,10 @@ class Trainer:
         cfg, ckpt = self.cfg, self.checkpointer
         start_step = self.state.step
         warm_until = start_step + self.clock.warmup_steps
-        reduction = StepReduction(collectives.comm_device())
+        reduction = StepReduction(collectives.comm_device(), n_carried=len(ckpt.flags()))
         self._base = (self.state.tokens, self.state.flops)
         stopped = ""
         t_loop = time.perf_counter()
-        ckpt.begin(start_step, self.clock.warmup_steps)
         while self.state.step < cfg.steps:
             if not self.clock.running and self.state.step >= warm_until:
                 self.clock.open()
@@ -333,29 +330,22 @@ class Trainer:
                 synchronize()
                 self.first_step_s = time.perf_counter() - t_step
             step = self.state.step
-            if not ckpt.follow(step, reduction.step, reduction.saves_written, reduction.save_failed, self.world):
-                stopped = "save_failed"  # every rank at this step; finish_pending raises the line
+            settle = functools.partial(self._settle, reduction)  # read only if the checkpointer saves
+            if not ckpt.after_step(step, reduction.step, reduction.carried, settle, self.progress):
+                stopped = "save_failed"  # every rank at this step; the checkpointer's close raises the line
                 break
             if self.clock.running:
                 self.clock.measured_steps += 1
             do_eval = bool(cfg.eval_every) and step % cfg.eval_every == 0 and step < cfg.steps
-            # a stopping run saves once, after the loop, within the preemption grace: a due save waits for this
-            # step's stop flag (read below; the flag seen so far is the previous step's)
-            do_save = ckpt.due(step) and step < cfg.steps
             do_log = step % self.log_every == 0 or step == cfg.steps or do_eval
             stop_here = step == cfg.stop_at_step
-            if do_log or do_eval or do_save or stop_here:
-                was_running = self.clock.running
-                self.clock.close()  # the window holds training steps only
-                self._read(reduction)
-                if do_eval:
-                    self.last_eval = self.evaluate()
-                if do_log:
-                    self._log_step(step, reduction, lr, do_eval)
-                if do_save and not reduction.stop:
-                    ckpt.save_scheduled(step, self.progress())
-                if was_running:
-                    self.clock.open()
+            if do_log or do_eval or stop_here:
+                with self.clock.paused():  # the window holds training steps only
+                    self._read(reduction)
+                    if do_eval:
+                        self.last_eval = self.evaluate()
+                    if do_log:
+                        self._log_step(step, reduction, lr, do_eval)
             if stop_here:
                 log.info(f"train.stop_at_step={step}: saving and exiting with code {EXIT_PREEMPTED}")
                 stopped = "stop_at_step"
@@ -372,10 +362,8 @@ class Trainer:
         if reduction.values and reduction.step == self.state.step:
             self.last_loss = reduction.values["loss"]
         perf = self.performance()
-        ckpt.finish_pending()  # committed before the run ends, or its failure raised on every rank
         step = self.state.step
-        if step != ckpt.last_saved and (stopped != "sigterm" or ckpt.fits_after_sigterm(step, self.stop.at)):
-            ckpt.save(step, self.progress())  # before the final evaluation, which can fail (out of memory)
+        ckpt.close(step, self.progress, self.stop if stopped == "sigterm" else None)
         if not stopped and self.eval_set is not None:
             self.last_eval = self.evaluate()
             if self.last_eval:
