@@ -12,8 +12,9 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from common.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, SUPERVISED_ENV, USER_ERROR_WAIT_S, RankError, UserError
 from common.log import get_logger
@@ -33,13 +34,44 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(cfg: Config) -> int:
+    from training import collectives
+    from training.trainer import exit_code
+
+    start = prepare(cfg)
+    if start is None:
+        return 0
+    trainer = start.trainer
+    try:
+        startup_s = announce(cfg, start.facts, start.ds_config, trainer, start.point)
+        perf = trainer.train()
+        report(start.facts, trainer, perf, startup_s)
+    finally:
+        trainer.close()
+    collectives.barrier()
+    return exit_code(perf)
+
+
+@dataclass
+class Start:
+    """A run's start, up to its first step: the trainer (restored or initialised), what the run is, the
+    DeepSpeed configuration and the checkpoint it resumed from."""
+
+    trainer: Any
+    facts: Any
+    ds_config: dict
+    point: Any
+
+
+def prepare(cfg: Config) -> Start | None:
+    """Everything before the first step, on every rank: the process group, the data, the model and its engine,
+    the trainer with its checkpointer, and the resume (or ``train.init_from``). None: the checkpoint is
+    already at ``train.steps``. The caller runs the trainer and closes it (and ends the process group)."""
     from model.registry import family_of, get_spec
     from training import collectives
     from training import engine as ds_engine
     from training.build import build_engine, check_run_dir, model_spec, open_data
     from training.resume import check_shared, find_resume
     from training.safeload import restrict
-    from training.trainer import exit_code
 
     restrict()  # every checkpoint load of this rank (DeepSpeed's too) reads weights only: a file runs no code
     ds_engine.start(cfg)  # precision and backend checks, the device, threads, determinism, the process group
@@ -62,7 +94,7 @@ def run(cfg: Config) -> int:
     )
     if point is not None and point.saved["step"] == cfg.train.steps:
         log.info(f"{point.ckpt_dir / point.tag} is already at train.steps={cfg.train.steps}: nothing to train")
-        return 0
+        return None
     ds_config = ds_engine.deepspeed_config(cfg, grad_accum, str(run_dir))
     ds_config["checkpoint"]["load_universal"] = bool(point and point.universal)
     engine = build_engine(cfg.model, cfg.optimizer, cfg.schedule, cfg.train, spec, ds_config, rank)
@@ -73,13 +105,10 @@ def run(cfg: Config) -> int:
             trainer.load_client_state(point.saved)
         elif cfg.train.init_from:
             trainer.checkpointer.initialise_from(Path(cfg.train.init_from))
-        startup_s = announce(cfg, facts, ds_config, trainer, point)
-        perf = trainer.train()
-        report(facts, trainer, perf, startup_s)
-    finally:
+    except BaseException:
         trainer.close()
-    collectives.barrier()
-    return exit_code(perf)
+        raise
+    return Start(trainer, facts, ds_config, point)
 
 
 def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir: Path):
