@@ -26,7 +26,10 @@ import numpy as np
 from common.atomic import atomic_path
 from common.errors import UserError
 from data import h5format
+from data.gpt import load_tokenizer, token_dtype
 from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
+from data.tokenize_text import check_bert_vocab
+from data.verify import manifest_kind
 
 COPY_ROWS = 1 << 16
 
@@ -48,8 +51,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _detect_kind(src: str) -> str:
     p = Path(src)
     if p.is_dir() and (p / h5format.MANIFEST).exists():
-        from data.verify import manifest_kind
-
         return manifest_kind(p)
     first = h5format.glob_files(src)[0]
     try:
@@ -69,8 +70,6 @@ def _vocab_settings(
 ) -> dict[str, Any]:
     """The vocabulary attributes of the output: the input's, or the flags' (which must then agree)."""
     if kind == "bert":
-        from data.tokenize_text import check_bert_vocab
-
         if vocab is None:
             if not have.get("vocab_sha256"):
                 raise UserError(
@@ -86,8 +85,6 @@ def _vocab_settings(
             "lowercase": True if lowercase is None else bool(lowercase),
         }
     else:
-        from data.gpt import load_tokenizer
-
         if tokenizer is None:
             if not have.get("tokenizer_sha256"):
                 raise UserError(
@@ -121,8 +118,6 @@ def _convert_task(index: int, src: str, out_file: str, kind: str, attrs: dict[st
     schema = h5format.SCHEMAS[kind]
     dtypes = {name: fld.dtype for name, fld in schema.items()}
     if kind == "gpt":
-        from data.gpt import token_dtype
-
         dtypes["input_ids"] = token_dtype(vocab_size)
     token_sets = ("input_ids", "masked_lm_ids")
     n = info.num_samples

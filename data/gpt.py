@@ -13,6 +13,7 @@ or from local json/jsonl/parquet/text files read by ``datasets`` in streaming mo
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from typing import Any
 
 import h5py
 import numpy as np
+from tokenizers import Tokenizer
 
 from common.atomic import atomic_path
 from common.errors import UserError
@@ -51,8 +53,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def load_tokenizer(path: str | os.PathLike):
     """Load tokenizer.json and find its end-of-document id (error naming the file when there is none)."""
-    from tokenizers import Tokenizer
-
     p = Path(path)
     if not p.is_file():
         raise UserError(f"{p}: tokenizer file does not exist")
@@ -175,8 +175,6 @@ def _dataset_files(spec: str) -> list[Path]:
     elif p.is_dir():
         files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in DATASET_BUILDERS)
     else:
-        import glob
-
         files = sorted(Path(f) for f in glob.glob(spec) if Path(f).is_file())
     if not files:
         raise UserError(f"{spec}: no such dataset file, directory or glob match")
@@ -193,7 +191,7 @@ def dataset_documents(spec: str, field: str) -> Iterator[str]:
     """Stream documents from local files through `datasets` (never from a hub)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
-        from datasets import load_dataset
+        from datasets import load_dataset  # optional: the [datasets] extra
     except ImportError:
         raise UserError("--dataset needs the 'datasets' package: pip install 'wikipretrain[datasets]'") from None
 

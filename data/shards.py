@@ -27,6 +27,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from tqdm import tqdm
+
 from common.outdir import prepare_out_dir, remove_stale
 from data import h5format
 
@@ -61,8 +63,6 @@ def run_shard_jobs(
     ``jobs`` may be a generator: it is consumed as workers free up. ``progress``: True shows a bar,
     False hides it, None shows it only on a terminal. Errors propagate (``ShardDir`` cleans up).
     """
-    from tqdm import tqdm
-
     bar = tqdm(
         total=total,
         unit=unit,

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tokenizers import BertWordPieceTokenizer
 
 from common.errors import UserError
+from data.vocab import load_vocab_checked
 
 AUTO_SHARD_BYTES = 32 << 20  # --shards 0: one input shard per 32 MiB of text
 _BOUNDARY = re.compile(rb"\n[ \t\r\f\v]*\n")
@@ -148,8 +150,6 @@ def read_lines(shard: InputShard) -> Iterator[list[str]]:
 def check_bert_vocab(vocab: str | os.PathLike) -> list[str]:
     """A WordPiece ``vocab.txt`` as its token list; errors (naming the file) when it lacks a BERT special
     token."""
-    from data.vocab import load_vocab_checked
-
     index = load_vocab_checked(Path(vocab))
     words = [""] * len(index)
     for w, i in index.items():
@@ -160,8 +160,6 @@ def check_bert_vocab(vocab: str | os.PathLike) -> list[str]:
 def bert_tokenizer(vocab: str | os.PathLike, lowercase: bool):
     """The Rust WordPiece tokenizer with BERT's basic tokenization (same splits as Google's
     tokenization.py)."""
-    from tokenizers import BertWordPieceTokenizer
-
     return BertWordPieceTokenizer(
         str(vocab), lowercase=lowercase, strip_accents=lowercase, clean_text=True, handle_chinese_chars=True
     )._tokenizer

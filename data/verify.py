@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from common.errors import UserError
 from data import h5format
 
@@ -40,8 +42,6 @@ def manifest_kind(directory: Path) -> str:
 def verify_shards(path: str | Path, progress: bool | None = False) -> dict[str, Any]:
     """Check every shard of ``path`` against its manifest; raises ``UserError`` naming the first bad
     shard. Returns a summary: shards, samples, bytes, and whether hashes were checked."""
-    from tqdm import tqdm
-
     directory = Path(path)
     shards = h5format.read_manifest(directory, manifest_kind(directory))
     h5format.check_listed(shards)

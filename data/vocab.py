@@ -15,6 +15,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers.implementations import BertWordPieceTokenizer
+
 from common.atomic import atomic_write_text
 from common.errors import UserError
 from common.log import get_logger
@@ -61,8 +64,6 @@ def _check_size(size: int, kind: str) -> None:
 def train_wordpiece(text_dir: Path, out_path: Path, size: int, lowercase: bool = True, min_frequency: int = 2) -> Path:
     """Train a BERT WordPiece vocabulary of ``size`` entries on ``text_dir``; write ``vocab.txt``
     atomically."""
-    from tokenizers.implementations import BertWordPieceTokenizer
-
     _check_size(size, "wordpiece")
     files = _corpus_files(text_dir)
     tok = BertWordPieceTokenizer(
@@ -96,8 +97,6 @@ def train_wordpiece(text_dir: Path, out_path: Path, size: int, lowercase: bool =
 
 def train_bpe(text_dir: Path, out_path: Path, size: int, min_frequency: int = 2) -> Path:
     """Train a GPT-NeoX-style byte-level BPE of ``size`` entries on ``text_dir``; write ``tokenizer.json``."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
-
     _check_size(size, "bpe")
     files = _corpus_files(text_dir)
     tok = Tokenizer(models.BPE())

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from common.atomic import atomic_path, atomic_write_json
 from common.errors import UserError
 from common.log import get_logger
@@ -472,8 +474,6 @@ def extract_dump(
     created = prepare_out_dir(out_dir, overwrite)
     start = time.perf_counter()
     try:
-        from tqdm import tqdm
-
         show = progress and sys.stderr.isatty()
         with (
             tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="wiki", file=sys.stderr, disable=not show) as bar,

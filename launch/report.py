@@ -334,7 +334,7 @@ def build_rows(
 
 
 def _goodput_cells(g: dict[str, Any] | None) -> dict[str, Any]:
-    """The goodput figures of a summary (training.events.goodput), flat for the table and the CSV."""
+    """The goodput figures of a summary (training.metrics.goodput), flat for the table and the CSV."""
     g = g or {}
     failures = g.get("failures") or []
     return {

@@ -28,6 +28,8 @@ import random
 import re
 import secrets
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -285,9 +287,6 @@ def to_universal(ckpt_dir: Path, tag: str, wait_s: float = 6 * 3600) -> str:
 
 
 def _convert(ckpt_dir: Path, tag: str, out: Path) -> None:
-    import subprocess
-    import sys
-
     log.info(f"converting {ckpt_dir / tag} to a universal checkpoint for a new world size")
     shutil.rmtree(out, ignore_errors=True)
     cmd = [

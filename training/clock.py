@@ -8,6 +8,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import psutil
+
 from training import collectives
 
 
@@ -25,8 +27,6 @@ def peak_memory_bytes() -> int:
 
 def process_age_s() -> float:
     """Seconds since this process started (interpreter start-up and imports included)."""
-    import psutil
-
     return time.time() - psutil.Process().create_time()
 
 

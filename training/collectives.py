@@ -11,6 +11,7 @@ the same code runs on CUDA, Gaudi (HPU) and CPU.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,8 @@ import torch.distributed as dist
 
 
 def accelerator():
-    from deepspeed.accelerator import get_accelerator
+    """DeepSpeed's accelerator of this process (CUDA, HPU, CPU...)."""
+    from deepspeed.accelerator import get_accelerator  # deferred: importing DeepSpeed takes seconds
 
     return get_accelerator()
 
@@ -149,7 +151,5 @@ def peer_lost(error: BaseException) -> str | None:
 def first_failure(problem: str | None) -> tuple[str, str, int] | None:
     """Every rank reports its problem (None: fine) in one all-gather; returns the first (problem, host, rank)
     in rank order, the same on every rank, or None. Also a barrier."""
-    import socket
-
     reports = all_gather_object((problem, socket.gethostname(), rank()))
     return next(((p, host, r) for p, host, r in reports if p), None)

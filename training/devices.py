@@ -27,6 +27,7 @@ from common.atomic import atomic_write_json
 from common.errors import RankError
 from common.log import get_logger
 from model.unpad import HOST_KEYS
+from training import collectives
 
 log = get_logger(__name__)
 
@@ -99,16 +100,14 @@ def device_name() -> str:
 
     The accelerator is DeepSpeed's (``deepspeed.accelerator.get_accelerator()``), the one the engine uses.
     """
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
+    acc = collectives.accelerator()
     kind = acc.device_name()
     if kind == "cpu":
         return "cpu"
     if kind == "cuda":
         return torch.cuda.get_device_name(acc.current_device())
     if kind == "hpu":
-        import habana_frameworks.torch.hpu as hthpu  # present whenever DeepSpeed picked the HPU accelerator
+        import habana_frameworks.torch.hpu as hthpu  # optional: present whenever DeepSpeed picked the HPU
 
         return hthpu.get_device_name()
     return kind
@@ -272,9 +271,7 @@ def bf16_is_native() -> bool:
     accelerator it asks DeepSpeed's accelerator.
     """
     if device_name() != "cpu":
-        from deepspeed.accelerator import get_accelerator
-
-        return bool(get_accelerator().is_bf16_supported())
+        return bool(collectives.accelerator().is_bf16_supported())
     key = cpu_cache_key()
     if key not in _NATIVE:
         _judge_bf16(cpu_matmul_rates(("bfloat16", "float32")))
@@ -322,9 +319,7 @@ def out_of_memory(micro_batch: int, during: str = "") -> RankError:
     """The one line of a micro-batch that ran out of device memory (``during``: where, when not in a training
     step): this rank's peak, of how much, and half the micro-batch to try (``train.global_batch`` stays: the
     accumulation steps follow; evaluation runs at the same micro-batch)."""
-    from deepspeed.accelerator import get_accelerator
-
-    acc, gib = get_accelerator(), 1 << 30
+    acc, gib = collectives.accelerator(), 1 << 30
     peak, total = acc.max_memory_allocated() / gib, acc.total_memory() / gib
     cap = os.environ.get(MEMORY_CAP_ENV)  # checked by training.engine.cap_device_memory at bind time
     total = min(total, float(cap)) if cap else total

@@ -5,40 +5,40 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.distributed_c10d as c10d
 
 from common.errors import UserError
 from common.log import get_logger
+from common.net import free_port
+from model.registry import get_spec
+from training import collectives
 from training.config import Config, DeepSpeedSection, LoggingSection
+from training.devices import MEMORY_CAP_ENV
 
 log = get_logger("train")
 
 
 def on_accelerator() -> bool:
     """True on CUDA, Gaudi and other DeepSpeed accelerators; False on the CPU."""
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name() != "cpu"
+    return collectives.accelerator().device_name() != "cpu"
 
 
 def backend_for(section: DeepSpeedSection) -> str:
     """auto: the accelerator's own backend (nccl on CUDA, hccl on Gaudi), gloo on the CPU."""
     if section.backend != "auto":
         return section.backend
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().communication_backend_name() if on_accelerator() else "gloo"
+    return collectives.accelerator().communication_backend_name() if on_accelerator() else "gloo"
 
 
 def check_setup(cfg: Config) -> None:
     """Refuse, in one line, what cannot run on this machine, before any process group exists."""
-    from model.registry import get_spec
-
     get_spec(cfg.model.name)
     ds = cfg.deepspeed
     if ds.precision == "fp16" and not on_accelerator():
@@ -88,7 +88,7 @@ def no_shm_all_reduce() -> None:
     ``deepspeed_allreduce_buffer_*`` files left in /dev/shm per job, which nothing removes (RAM-backed: about
     50 launches pinned 7 GB). Only its inference all-reduce uses it; training and our benchmarks never do.
     """
-    import deepspeed.ops
+    import deepspeed.ops  # deferred: importing DeepSpeed takes seconds (a config error is refused before)
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
@@ -111,7 +111,7 @@ def set_determinism() -> None:
 def start(cfg: Config) -> None:
     """Checks, threads, determinism and the process group (the launcher's env vars, or a single process)."""
     quiet()
-    import deepspeed
+    import deepspeed  # deferred: seconds to import, and after quiet()
 
     check_setup(cfg)
     if backend_for(cfg.deepspeed) == "gloo":
@@ -122,8 +122,8 @@ def start(cfg: Config) -> None:
         set_determinism()
     section = cfg.deepspeed
     if "MASTER_PORT" not in os.environ and os.environ.get("WORLD_SIZE", "1") == "1":
-        from common.net import free_port  # a single process started without a launcher: any free port,
-        # not the launchers' default 29500, which another job on this machine may hold
+        # a single process started without a launcher: any free port, not the launchers' default 29500,
+        # which another job on this machine may hold
 
         os.environ["MASTER_PORT"] = str(free_port())
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -201,8 +201,6 @@ writes it a moment after the communicators are aborted, while the rank's handler
 def flight_recorder_note(rank: int, env: Mapping[str, str], wait_s: float = DUMP_WAIT_S) -> str:
     """The tail of a NCCL rank's one-line error: the dump file once it exists (waiting up to ``wait_s``), or
     that none appeared; empty where no dump is configured."""
-    import time
-
     path = flight_recorder_file(rank, env)
     if path is None:
         return ""
@@ -227,9 +225,7 @@ def device_for(local_rank: int, device_count: int) -> int:
 
 
 def _visible_envs() -> list[str]:
-    from deepspeed.accelerator import get_accelerator
-
-    return list(get_accelerator().visible_devices_envs())
+    return list(collectives.accelerator().visible_devices_envs())
 
 
 def bind_device() -> None:
@@ -238,9 +234,7 @@ def bind_device() -> None:
     ``cuda`` meant device 0, where the object collectives of the start-up checks ran. A no-op on the CPU."""
     if not on_accelerator():
         return
-    from deepspeed.accelerator import get_accelerator
-
-    acc = get_accelerator()
+    acc = collectives.accelerator()
     acc.set_device(device_for(int(os.environ["LOCAL_RANK"]), acc.device_count()))
     cap_device_memory()
 
@@ -250,8 +244,6 @@ def cap_device_memory() -> float | None:
     device (``torch.cuda.set_per_process_memory_fraction``), so that a run on a bigger card measures what fits
     a smaller one (an H200 capped at 80 GB stands in for an H100); returns the fraction, None when unset or not
     on CUDA. Past the cap an allocation raises ``torch.OutOfMemoryError`` as on the smaller card."""
-    from training.devices import MEMORY_CAP_ENV
-
     raw = os.environ.get(MEMORY_CAP_ENV)
     if not raw or not torch.cuda.is_available():
         return None
@@ -274,8 +266,6 @@ def bound_every_group(timeout: datetime.timedelta) -> None:
     torch then takes from a module default (30 minutes for gloo, 10 for NCCL), so a hung rank held its peers
     in a ZeRO collective far beyond ``deepspeed.timeout_s``. torch reads that default when a group is created.
     """
-    import torch.distributed.distributed_c10d as c10d
-
     c10d.default_pg_timeout = timeout
     if hasattr(c10d, "default_pg_nccl_timeout"):
         c10d.default_pg_nccl_timeout = timeout

@@ -71,7 +71,7 @@ def consolidated_state(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
 
 
 def _consolidated_state(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # deferred: seconds
 
     folder = ckpt_dir / tag
     rank_of = {

@@ -61,11 +61,16 @@ both LANS terms: w <- w - lr b1 r - lr (1-b1) c (LAMB: w <- w - lr r), as NVIDIA
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
+import platform
+import sys
 import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -231,13 +236,7 @@ def _cpu_kernels(required: bool = False) -> Any:
     path and the Python environment, so that two checkouts do not rebuild one cache directory in turn). None if
     the build fails (with a warning), or UserError when ``required`` (impl="cpu" asked for explicitly)."""
     if not _CPU_EXT:
-        import hashlib
-        import os
-        import platform
-        import sys
-        from pathlib import Path
-
-        from torch.utils import cpp_extension
+        from torch.utils import cpp_extension  # deferred: it imports setuptools; only the CPU path builds
 
         cpu_id = platform.machine()
         try:

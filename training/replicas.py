@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
+from common.atomic import atomic_write_json
 from common.log import get_logger
+from common.net import own_address
 from training import collectives
 
 log = get_logger("training.replicas")
@@ -51,9 +53,6 @@ def write_replica_digest(run_dir: Path, module: torch.nn.Module, rank: int, worl
     """Each rank records a checksum of its replica (``replica_checksum``, on its device) and where it ran, and
     the ranks compare theirs: False (with one line on rank 0 naming the ranks that differ from rank 0) when
     the replicas are not bit for bit the same."""
-    from common.atomic import atomic_write_json
-    from common.net import own_address
-
     digest = replica_checksum(module)
     info = {
         "rank": rank,

@@ -27,6 +27,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+import torch
+
 from common.errors import EXIT_USER_ERROR, RankError, UserError
 
 FORCE_ENV = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
@@ -92,13 +95,9 @@ ALLOWED = (
 
 def _resolve(entry: Allowed) -> Any:
     if entry.module == "numpy" and entry.attr == "_reconstruct":
-        import numpy as np
-
         core = getattr(np, "_core", None) or np.core
         return core.multiarray._reconstruct
     if entry.module == "numpy" and entry.attr == "UInt32DType":
-        import numpy as np
-
         return type(np.dtype(np.uint32))
     module = __import__(entry.module, fromlist=[entry.attr])
     return getattr(module, entry.attr)
@@ -110,8 +109,6 @@ def allowed_names() -> set[str]:
 
 def register() -> None:
     """Register ``ALLOWED`` with torch's weights-only unpickler in this process."""
-    import torch
-
     torch.serialization.add_safe_globals([(_resolve(e), e.pickled_as) for e in ALLOWED])
 
 

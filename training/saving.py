@@ -89,7 +89,7 @@ def _start_save(engine, ckpt_dir: Path, tag: str, rank: int) -> dict[str, Any]:
         for partial in incomplete_tags(ckpt_dir):
             if partial != tag:
                 shutil.rmtree(ckpt_dir / partial, ignore_errors=True)
-    from deepspeed.checkpoint.constants import (
+    from deepspeed.checkpoint.constants import (  # deferred: importing DeepSpeed takes seconds
         UNIVERSAL_CHECKPOINT_INFO,
         UNIVERSAL_CHECKPOINT_VERSION_KEY,
         UNIVERSAL_CHECKPOINT_VERSION_VALUE,

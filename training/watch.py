@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from common.errors import EXIT_PEER_LOST
 from training import collectives, events
 from training.config import DATA_STALL_SHARE
@@ -136,8 +138,6 @@ class DataWatchdog:
         )
 
     def _end_rank(self, why: str) -> None:
-        import psutil
-
         rank = collectives.rank()
         events.record(
             self.run_dir,

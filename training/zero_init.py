@@ -22,19 +22,19 @@ import ctypes.util
 from collections.abc import Iterator
 from typing import Any
 
+import deepspeed
 import torch
+from deepspeed.runtime.zero import partition_parameters as pp
 from torch import nn
+from transformers import PreTrainedModel
+from transformers.initialization import guard_torch_init_functions, no_init_weights
 
+from model.build import build_model
 from training import collectives
 
 
 def build_partitioned(spec: Any, ds_config: dict[str, Any], **build_kwargs: Any) -> nn.Module:
     """Build ``spec`` under ``deepspeed.zero.Init`` (with this run's DeepSpeed config) and initialise it."""
-    import deepspeed
-    from transformers.initialization import no_init_weights
-
-    from model.build import build_model
-
     with large_blocks_returned():
         with no_init_weights(), _arange_keeps_its_dtype(), deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = build_model(spec, **build_kwargs)
@@ -52,8 +52,6 @@ def _arange_keeps_its_dtype() -> Iterator[None]:
     included, so rotary frequencies (``base ** (arange(0, d, 2, dtype=int64).float() / d)``) came out
     computed in BF16: 0.0564 instead of 0.0562 for the sixth. Only the device is still chosen for it.
     """
-    from deepspeed.runtime.zero import partition_parameters as pp
-
     wrap = pp.zero_wrapper_for_fp_tensor_constructor
 
     def wrapper(fn: Any, target_fp_dtype: Any, target_device: Any) -> Any:
@@ -102,10 +100,6 @@ def initialise_gathered(hf: nn.Module) -> None:
     ``_initialize_weights``. Only one module's parameters (and its direct children's, which some
     ``_init_weights`` touch) are whole at any moment.
     """
-    import deepspeed
-    from transformers import PreTrainedModel
-    from transformers.initialization import guard_torch_init_functions
-
     rank = collectives.rank()
 
     def walk(module: nn.Module, init) -> None:
