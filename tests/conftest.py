@@ -54,12 +54,26 @@ def launcher(ranks: int, port: int | None = None) -> list[str]:
 
 
 class _Popened:
-    """A rank started as a fresh interpreter; its output read as it comes (a rank's DataLoader workers hold
-    its pipes until they notice it is gone)."""
+    """A rank started as a fresh interpreter (``python``, ``-u`` unless ``buffered``, in ``cwd``, with ``umask``);
+    its output read as it comes (a rank's DataLoader workers hold its pipes until they notice it is gone)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cwd: Path | str = REPO,
+        python: str | Path = sys.executable,
+        buffered: bool = False,
+        umask: int | None = None,
+    ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", *argv], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [str(python), *([] if buffered else ["-u"]), *argv],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=None if umask is None else (lambda: os.umask(umask)),
         )
         self.out = ("", "")
         self.reader = threading.Thread(target=self._read, daemon=True)
@@ -83,9 +97,17 @@ class _Popened:
 class _Forked:
     """A rank forked by the ``tests.prefork`` server; its output in files, read once it has ended."""
 
-    def __init__(self, server: _PreforkServer, argv: list[str], env: dict[str, str], files: Path) -> None:
+    def __init__(
+        self,
+        server: _PreforkServer,
+        argv: list[str],
+        env: dict[str, str],
+        files: Path,
+        cwd: Path | str = REPO,
+        umask: int | None = None,
+    ) -> None:
         self.server, self.files = server, (files.with_suffix(".stdout"), files.with_suffix(".stderr"))
-        self.pid = server.spawn(argv, env, *self.files)
+        self.pid = server.spawn(argv, env, *self.files, cwd=cwd, umask=umask)
 
     def poll(self) -> int | None:
         return self.server.exit_of(self.pid)
@@ -161,13 +183,22 @@ class _PreforkServer:
         differ = {k for k in env.keys() | self.env.keys() if env.get(k) != self.env.get(k)}
         return all(k in FORKABLE_ENV or k.startswith(FORKABLE_PREFIXES) for k in differ)
 
-    def spawn(self, argv: list[str], env: dict[str, str], stdout: Path, stderr: Path) -> int:
-        """Fork a rank running ``argv`` with ``env``, its output into the two files; its pid."""
+    def spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        stdout: Path,
+        stderr: Path,
+        cwd: Path | str = REPO,
+        umask: int | None = None,
+    ) -> int:
+        """Fork a rank running ``argv`` with ``env`` in ``cwd`` (with ``umask``, else the server's), its output
+        into the two files; its pid."""
         assert self.proc.stdin is not None and self.proc.poll() is None, self.log.read_text()[-3000:]
         with self.lock:
             self.next_id += 1
             ident = self.next_id
-            req = {"id": ident, "argv": argv, "env": env, "cwd": str(REPO), "stdout": str(stdout)}
+            req = {"id": ident, "argv": argv, "env": env, "cwd": str(cwd), "stdout": str(stdout), "umask": umask}
             self.proc.stdin.write((json.dumps({**req, "stderr": str(stderr)}) + "\n").encode())
             self.proc.stdin.flush()
         with self.changed:
@@ -273,27 +304,53 @@ def _checkpoints_within_the_allowlist(tmp_path_factory):
     assert not beyond, "checkpoint files name globals beyond training.safeload.ALLOWED:\n" + "\n".join(beyond[:20])
 
 
-def _start(argv: list[str], env: dict[str, str], files: Path) -> _Popened | _Forked:
-    """``python -u ARGV`` from the repository root: forked by the prefork server where ``env`` allows. A
-    test-only ``sitecustomize`` is named by ``WIKIPRETRAIN_TEST_SITECUSTOMIZE`` (its folder): on PYTHONPATH for
-    a fresh interpreter, run after the fork by a forked one (``tests.prefork``)."""
+def _start(
+    argv: list[str],
+    env: dict[str, str],
+    files: Path,
+    cwd: Path | str = REPO,
+    umask: int | None = None,
+    fork: bool = True,
+    **fresh: Any,
+) -> _Popened | _Forked:
+    """``python -u ARGV`` in ``cwd`` (the repository root): forked by the prefork server where ``fork`` and
+    ``env`` allow, else a fresh interpreter (``fresh``: ``_Popened``'s other arguments). A test-only
+    ``sitecustomize`` is named by ``WIKIPRETRAIN_TEST_SITECUSTOMIZE`` (its folder): on PYTHONPATH for a fresh
+    interpreter, run after the fork by a forked one (``tests.prefork``)."""
     from tests.prefork import SITECUSTOMIZE_ENV
 
-    server = _prefork(env)
+    server = _prefork(env) if fork else None
     if server is not None:
-        return _Forked(server, argv, env, files)
+        return _Forked(server, argv, env, files, cwd, umask)
     if env.get(SITECUSTOMIZE_ENV):
         env = {**env, "PYTHONPATH": env[SITECUSTOMIZE_ENV] + os.pathsep + env.get("PYTHONPATH", "")}
-    return _Popened(argv, env)
+    return _Popened(argv, env, cwd, umask=umask, **fresh)
 
 
-def run_python(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """``python ARGS`` (a script or ``-m MODULE``) as one process from the repository root, its output
-    captured, as ``subprocess.run`` would (``TimeoutExpired`` past ``timeout``); forked by the prefork server
-    where its environment allows."""
+def run_python(
+    args: list[str],
+    timeout: float = 300,
+    env: dict | None = None,
+    *,
+    cwd: Path | str = REPO,
+    umask: int | None = None,
+    fresh: bool = False,
+    python: str | Path | None = None,
+    buffered: bool = False,
+) -> subprocess.CompletedProcess:
+    """``python ARGS`` (a script or ``-m MODULE``, or interpreter options such as ``-c CODE`` or ``-S`` first)
+    as one process in ``cwd`` (the repository root), with ``umask`` (else this process's), its output captured,
+    as ``subprocess.run`` would (``TimeoutExpired`` past ``timeout``).
+
+    Forked by the prefork server where its environment allows, else a fresh interpreter: always for interpreter
+    options, for ``python`` (another interpreter, a venv's), for ``buffered`` (stdout and stderr buffered as a
+    plain ``python`` has them, not ``-u``), and for ``fresh`` (an environment that the preloaded libraries
+    read at import, or a one-off one that a server of its own would be started for)."""
+    fork = not (fresh or python or buffered) and (args[0] == "-m" or not args[0].startswith("-"))
+    popen = {"python": python or sys.executable, "buffered": buffered}
     files = Path(tempfile.mkdtemp(prefix="python-"))
     try:
-        proc = _start(args, env or run_env(), files / "proc")
+        proc = _start(args, env or run_env(), files / "proc", cwd, umask, fork, **popen)
         deadline = time.monotonic() + timeout
         while proc.poll() is None:
             if time.monotonic() > deadline:
@@ -305,6 +362,25 @@ def run_python(args: list[str], timeout: float = 300, env: dict | None = None) -
     finally:
         shutil.rmtree(files, ignore_errors=True)
     return subprocess.CompletedProcess(args, proc.poll() or 0, out, err)
+
+
+def data_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m data ARGS`` (``run_python``, 600 s at most); with ``check``, an exit other than 0 fails the
+    test with both streams."""
+    p = run_python(["-m", "data", *args], timeout=600)
+    if check and p.returncode != 0:
+        raise AssertionError(f"exit {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def expect_error(p: subprocess.CompletedProcess, *needles: str) -> None:
+    """A CLI's user error: exit 2 and one line ``error: ...`` on stderr, no traceback, holding every needle."""
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
 
 
 def start_ranks(
@@ -488,12 +564,9 @@ def bert_data(tmp_path_factory, wiki_text_dir, wiki_vocab) -> dict[str, Path]:
     (eval_text / shards[-1].name).write_bytes(shards[-1].read_bytes())
     out = {"vocab": Path(wiki_vocab)}
     for name, text, dupe in (("train", train_text, "2"), ("eval", eval_text, "1")):
-        res = subprocess.run(
+        res = run_python(
             data_bert(text, wiki_vocab, root / name, "--seq-len", "128", "--max-pred", "20", "--dupe-factor", dupe),
-            cwd=REPO,
-            env=run_env(),
-            capture_output=True,
-            text=True,
+            timeout=600,
         )
         assert res.returncode == 0, res.stderr
         out[name] = root / name
@@ -535,9 +608,10 @@ def shares_one_gpu() -> bool:
     return torch.cuda.device_count() == 1
 
 
-def data_bert(text: Path, vocab: Path, out: Path, *flags: str, python: str = sys.executable) -> list[str]:
-    """The command that writes BERT shards of the text files in ``text`` to ``out`` (``python -m data bert``)."""
-    return [python, "-m", "data", "bert", "--text", str(text), "--vocab", str(vocab), "--out", str(out), *flags]
+def data_bert(text: Path, vocab: Path, out: Path, *flags: str) -> list[str]:
+    """The arguments of ``python`` (``run_python``) that write BERT shards of the text files in ``text`` to
+    ``out``: ``-m data bert``."""
+    return ["-m", "data", "bert", "--text", str(text), "--vocab", str(vocab), "--out", str(out), *flags]
 
 
 def smoke(data: dict[str, Path], run_dir: Path, *settings: str) -> list[str]:

@@ -17,9 +17,10 @@ project's modules load in the child, under the rank's environment. What still di
 interpreter: ranks forked by one server share its ``str`` hash seed, and what the preloaded imports print goes
 to the server's log, not to the rank's stderr.
 
-Protocol (JSON lines): the harness writes ``{"id", "argv", "env", "cwd", "stdout", "stderr"}`` to the server's
-stdin; the server answers ``{"id", "pid"}`` at once and ``{"pid", "returncode"}`` (``Popen``'s convention: -N
-for signal N) when that child ends. The server ends when its stdin closes.
+Protocol (JSON lines): the harness writes ``{"id", "argv", "env", "cwd", "umask", "stdout", "stderr"}`` to the
+server's stdin (``umask`` null: the server's); the server answers ``{"id", "pid"}`` at once and ``{"pid",
+"returncode"}`` (``Popen``'s convention: -N for signal N) when that child ends. The server ends when its stdin
+closes.
 """
 
 from __future__ import annotations
@@ -97,10 +98,12 @@ def serve(requests: int, replies: int) -> dict | None:
 
 
 def become(req: dict, set_by_imports: dict[str, str]) -> str | None:
-    """In a forked child: take the rank's working directory, environment (with what the preloaded imports set
-    in it, as they would have), stdin, stdout, stderr, argv and ``sys.path[0]``, and a numpy global seed of its
-    own; the script's path (None for ``-m MODULE``, whose name is then ``sys.argv[0]``)."""
+    """In a forked child: take the rank's working directory, umask, environment (with what the preloaded imports
+    set in it, as they would have), stdin, stdout, stderr, argv and ``sys.path[0]``, and a numpy global seed of
+    its own; the script's path (None for ``-m MODULE``, whose name is then ``sys.argv[0]``)."""
     os.chdir(req["cwd"])
+    if req.get("umask") is not None:
+        os.umask(req["umask"])
     os.environ.clear()
     os.environ.update(req["env"])
     for key, value in set_by_imports.items():  # e.g. deepspeed's PYTORCH_NVML_BASED_CUDA_CHECK

@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import math
 import re
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, TwoAtATime, module_tests, run_env
+from tests.conftest import REPO, TwoAtATime, module_tests, run_python
 
 BENCH = REPO / "benchmarks"
 HELPERS = {  # run by another benchmark, which the test checks
@@ -90,14 +88,8 @@ def number(text: str) -> float:
 
 def run_bench(script: str, *args: str, timeout: int = 600) -> str:
     """Run ``benchmarks/<script>`` with ``args``; its stdout (a failure shows the end of both streams)."""
-    res = subprocess.run(
-        [sys.executable, str(BENCH / script), *args],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    # fresh: as a user runs it (a forked interpreter's memory and start-up would be the prefork server's)
+    res = run_python([str(BENCH / script), *args], timeout=timeout, fresh=True)
     assert res.returncode == 0, f"{script} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
     return res.stdout
 

@@ -26,21 +26,14 @@ from pathlib import Path
 import pytest
 
 from launch.bundle import MANIFEST, check_platforms, parse_have_line, read_have
-from tests.conftest import REPO, data_bert, run_env
+from tests.conftest import REPO, data_bert, run_env, run_python
 
 # Packages the target lacks: the bundle must carry these (plus the project).
 MISSING = ["deepspeed", "hjson", "tqdm", "einops"]
 
 
 def bundle_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "launch", "bundle", *args],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_python(["-m", "launch", "bundle", *args], timeout=timeout)
 
 
 def one_line_error(res: subprocess.CompletedProcess) -> str:
@@ -175,9 +168,9 @@ def offline_env() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("bundle")
-    freeze = subprocess.run(
-        [sys.executable, "-m", "pip", "freeze"], capture_output=True, text=True, check=True
-    ).stdout.splitlines()
+    res = run_python(["-m", "pip", "freeze"], env=dict(os.environ), fresh=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    freeze = res.stdout.splitlines()
     drop = {"wikipretrain", *MISSING}
     kept = [ln for ln in freeze if ln.split("==")[0].split(" @ ")[0].strip().lower() not in drop]
     assert len(kept) < len(freeze) and any(ln.startswith("torch==") for ln in kept)
@@ -211,30 +204,22 @@ def test_bundle_holds_what_the_target_lacks(bundle):
 def test_offline_install_and_cpu_run(bundle, tmp_path, wiki_text_dir, wiki_vocab):
     env = offline_env()
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, env=env)
+    res = run_python(["-m", "venv", "--without-pip", str(venv)], env=env, fresh=True)
+    assert res.returncode == 0, res.stderr[-3000:]
     py = venv / "bin" / "python"
-    site = Path(
-        subprocess.run(
-            [py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+    res = run_python(
+        ["-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], env=dict(os.environ), python=py
     )
+    assert res.returncode == 0, res.stderr[-3000:]
+    site = Path(res.stdout.strip())
     (site / "target_has.pth").write_text(str(target_has_folder(tmp_path, ["wikipretrain", *MISSING])) + "\n")
-    pip = [sys.executable, "-m", "pip", "--python", str(py)]
+    pip = ["-m", "pip", "--python", str(py)]  # this interpreter's pip, installing into the venv
 
     # With no bundle and no index the project cannot be installed: nothing else is reachable.
-    res = subprocess.run([*pip, "install", "--no-index", "wikipretrain"], capture_output=True, text=True, env=env)
+    res = run_python([*pip, "install", "--no-index", "wikipretrain"], env=env, fresh=True)
     assert res.returncode != 0 and "No matching distribution found for wikipretrain" in res.stderr
 
-    res = subprocess.run(
-        [*pip, "install", "--no-index", "--find-links", str(bundle), "wikipretrain"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
+    res = run_python([*pip, "install", "--no-index", "--find-links", str(bundle), "wikipretrain"], env=env, fresh=True)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     installed = {p.name.split("-")[0].lower() for p in site.glob("*.dist-info")}
     assert installed == {"wikipretrain", *MISSING}, sorted(installed)
@@ -242,21 +227,12 @@ def test_offline_install_and_cpu_run(bundle, tmp_path, wiki_text_dir, wiki_vocab
     app = tmp_path / "app"  # train.py alone: everything it imports must come from the venv
     app.mkdir()
     shutil.copy2(REPO / "train.py", app / "train.py")
-    res = subprocess.run(
-        [
-            py,
-            "-c",
-            "import training, deepspeed, hjson, data; print('FROM', training.__file__, deepspeed.__file__)",
-        ],
-        cwd=app,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    code = "import training, deepspeed, hjson, data; print('FROM', training.__file__, deepspeed.__file__)"
+    res = run_python(["-c", code], env=env, cwd=app, python=py)
     assert res.returncode == 0, res.stderr[-3000:]
     paths = res.stdout.split("FROM", 1)[1].split()
     assert len(paths) == 2 and all(p.startswith(str(site)) for p in paths), res.stdout
-    res = subprocess.run([py, "-m", "model", "list"], cwd=app, capture_output=True, text=True, env=env)
+    res = run_python(["-m", "model", "list"], env=env, cwd=app, python=py)
     assert res.returncode == 0 and "bert-debug" in res.stdout, res.stderr[-3000:]
 
     text = tmp_path / "text"
@@ -264,13 +240,11 @@ def test_offline_install_and_cpu_run(bundle, tmp_path, wiki_text_dir, wiki_vocab
     first = sorted(Path(wiki_text_dir).glob("*.txt"))[0]
     shutil.copy2(first, text / first.name)
     shards = tmp_path / "shards"
-    res = subprocess.run(
-        data_bert(text, wiki_vocab, shards, "--seq-len", "128", "--max-pred", "20", "--dupe-factor", "1", python=py),
-        cwd=app,
-        capture_output=True,
-        text=True,
+    res = run_python(
+        data_bert(text, wiki_vocab, shards, "--seq-len", "128", "--max-pred", "20", "--dupe-factor", "1"),
         env=env,
-        timeout=300,
+        cwd=app,
+        python=py,
     )
     assert res.returncode == 0, res.stderr[-3000:]
 
@@ -281,9 +255,8 @@ def test_offline_install_and_cpu_run(bundle, tmp_path, wiki_text_dir, wiki_vocab
     # A private extension cache: the shared one is keyed by name, and this install's sources live elsewhere.
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")
     run_dir = tmp_path / "run"
-    res = subprocess.run(
+    res = run_python(
         [
-            py,
             "train.py",
             "--config",
             str(REPO / "configs" / "smoke.yaml"),
@@ -300,11 +273,9 @@ def test_offline_install_and_cpu_run(bundle, tmp_path, wiki_text_dir, wiki_vocab
             "train.eval_samples=8",
             "optimizer.name=adamw",
         ],
-        cwd=app,
-        capture_output=True,
-        text=True,
         env=env,
-        timeout=300,
+        cwd=app,
+        python=py,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -319,21 +290,13 @@ def test_offline_install_and_cpu_run(bundle, tmp_path, wiki_text_dir, wiki_vocab
         checkout,
         ignore=shutil.ignore_patterns(".git", ".venv", "runs", "build", "*.egg-info", "__pycache__"),
     )
-    res = subprocess.run(
+    res = run_python(
         [*pip, "install", "--no-index", "--find-links", str(bundle), "--no-deps", "-e", str(checkout)],
-        capture_output=True,
-        text=True,
         env=env,
-        timeout=300,
+        fresh=True,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    res = subprocess.run(
-        [py, "-c", "import training; print('FROM', training.__file__)"],
-        cwd=app,
-        capture_output=True,
-        text=True,
-        env=env,
-    )
+    res = run_python(["-c", "import training; print('FROM', training.__file__)"], env=env, cwd=app, python=py)
     assert res.returncode == 0 and res.stdout.split("FROM", 1)[1].strip() == str(checkout / "training" / "__init__.py")
 
 

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,8 @@ import pytest
 from common.errors import UserError
 from common.net import free_port
 from model.registry import get_spec, spec_to_dict
-from tests.conftest import REPO, common, run_env
+from tests.conftest import common, run_env, run_python
+from tests.prefork import SITECUSTOMIZE_ENV
 from training import checkpoint
 from training.config import CheckpointSection
 from training.resume import NOT_ARCHITECTURE, ResumePoint, RunIdentity, check_compatible, check_shared, find_resume
@@ -144,7 +144,7 @@ def test_unwritable_checkpoint_dir_is_refused(tmp_path: Path) -> None:
 
 FSYNC_RECORDER = """
 import json, os
-_log = open(os.environ["FSYNC_LOG"], "a", buffering=1)
+_log = open(os.environ["WIKIPRETRAIN_FSYNC_LOG"], "a", buffering=1)
 _fsync, _replace = os.fsync, os.replace
 def fsync(fd):
     _fsync(fd)
@@ -164,17 +164,10 @@ def test_every_file_and_directory_of_a_commit_is_fsynced(bert_data, tmp_path: Pa
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(FSYNC_RECORDER)
     events = tmp_path / "fsync.jsonl"
-    env = {**run_env(), "FSYNC_LOG": str(events), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    env["PYTHONPATH"] = f"{hook}{os.pathsep}{env['PYTHONPATH']}"
+    env = {**run_env(), SITECUSTOMIZE_ENV: str(hook), "WIKIPRETRAIN_FSYNC_LOG": str(events)}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     run_dir = tmp_path / "run"
-    res = subprocess.run(
-        [sys.executable, "train.py", *common(bert_data, run_dir, "train.steps=4", "train.eval_every=0")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    res = run_python(["train.py", *common(bert_data, run_dir, "train.steps=4", "train.eval_every=0")], env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     log = [json.loads(x) for x in events.read_text().splitlines()]
     ckpt = run_dir / "checkpoints"

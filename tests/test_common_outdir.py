@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +10,7 @@ import pytest
 from common.atomic import atomic_path, atomic_write_text
 from common.errors import UserError
 from common.outdir import prepare_out_dir, remove_stale
-from tests.conftest import REPO
+from tests.conftest import run_python
 
 SHARD = re.compile(r"^shard-\d{5}\.txt$").match
 
@@ -38,7 +36,7 @@ def test_leftover_temporaries_of_a_killed_writer_are_removed(tmp_path: Path) -> 
         f"with atomic_path({str(out / 'shard-00000.txt')!r}) as tmp:\n"
         "    tmp.write_text('half')\n    os._exit(1)\n"
     )
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False)
+    run_python(["-c", code])  # exits 1 on purpose
     (out / ".shard-00001.txt.k3.tmp").mkdir()  # a directory temporary (h5py / checkpoint writers)
     leftovers = [p.name for p in out.iterdir()]
     assert len(leftovers) == 2 and all(n.startswith(".") and n.endswith(".tmp") for n in leftovers)

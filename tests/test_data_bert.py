@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from data.tokenize_text import CachedBertTokenizer, bert_tokenizer, encode_lines
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, data_cli, expect_error, run_env
 
 NAMES = [
     "input_ids",
@@ -24,20 +24,6 @@ NAMES = [
     "masked_lm_ids",
     "next_sentence_labels",
 ]
-
-
-def data_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run(
-        [sys.executable, "-m", "data", *args],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if check and p.returncode != 0:
-        raise AssertionError(f"exit {p.returncode}\n{p.stdout}\n{p.stderr}")
-    return p
 
 
 def bert(text: Path, vocab: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -292,15 +278,6 @@ def test_whole_word_masking_and_real_vocab_phase2(wiki_text_dir: Path, shared_be
 
 
 # ----------------------------------------------------------------------------------------------- bad input
-
-
-def expect_error(p: subprocess.CompletedProcess, *needles: str) -> None:
-    assert p.returncode == 2, (p.returncode, p.stderr)
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
-    assert "Traceback" not in p.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
 
 
 def test_bad_input(wiki_text_dir: Path, wiki_vocab: Path, tmp_path: Path) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import h5py
@@ -15,22 +13,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from data.loader import PretrainingLoader
-from tests.conftest import REPO, run_env
-
-
-def data_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "data", *args], cwd=REPO, env=run_env(), capture_output=True, text=True)
-    if check and p.returncode != 0:
-        raise AssertionError(f"exit {p.returncode}\n{p.stdout}\n{p.stderr}")
-    return p
-
-
-def expect_error(p: subprocess.CompletedProcess, *needles: str) -> None:
-    assert p.returncode == 2, (p.returncode, p.stderr)
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in p.stderr, p.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
+from tests.conftest import data_cli, expect_error
 
 
 def shard_documents(path: Path, source: str) -> list[str]:

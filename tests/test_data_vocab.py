@@ -5,7 +5,6 @@ from __future__ import annotations
 import collections
 import re
 import subprocess
-import sys
 import unicodedata
 from pathlib import Path
 
@@ -16,19 +15,13 @@ from transformers import BertTokenizerFast
 
 from common.errors import UserError
 from data.vocab import WORDPIECE_SPECIALS, load_vocab_checked, train_bpe
-from tests.conftest import REPO, run_env
+from tests.conftest import run_python
 
 BERT_IDS = {"[PAD]": 0, "[UNK]": 100, "[CLS]": 101, "[SEP]": 102, "[MASK]": 103}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "data", "vocab", *args],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-    )
+    return run_python(["-m", "data", "vocab", *args])
 
 
 def bert_tokenizer(vocab: Path) -> BertTokenizerFast:

@@ -18,7 +18,7 @@ import pytest
 from common.errors import UserError
 from data.textclean import clean_wikitext, split_sentences
 from data.wiki import SHARD_PATTERN, extract_dump, iter_pages, process_article
-from tests.conftest import REPO, WIKI_FIXTURE_SHARDS, run_env
+from tests.conftest import REPO, WIKI_FIXTURE_SHARDS, run_env, run_python
 
 # Markup that must never reach the text.
 RESIDUE = (
@@ -107,14 +107,7 @@ def snapshot(d: Path) -> dict[str, bytes] | None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "data", "wiki", *args],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_python(["-m", "data", "wiki", *args])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -497,6 +490,6 @@ def test_sample_dump_path_without_gensim(tmp_path: Path) -> None:
         "from common.errors import run_cli; from data.sample import sample_dump_path; "
         "sys.exit(run_cli(lambda argv: print(sample_dump_path())))"
     )
-    res = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    res = run_python(["-S", "-c", code], cwd=tmp_path)
     assert res.returncode == 2 and res.stderr.strip().startswith("error: gensim is not installed")
     assert "pip install gensim" in res.stderr and "Traceback" not in res.stderr

@@ -6,14 +6,12 @@ import ast
 import json
 import logging
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, run_env, run_python
 from training import devices
 from training.devices import (
     PEAK_FLOPS,
@@ -161,14 +159,9 @@ def test_cpu_peak_rejects_unknown_dtypes(cache_home):
 
 def _run_check(cache: Path, extra_env: dict[str, str]) -> dict:
     env = {**run_env(), "XDG_CACHE_HOME": str(cache), **extra_env}
-    out = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "scripts" / "cpu_peak_check.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    # fresh: the instruction-set variables are read when torch loads
+    out = run_python([str(REPO / "tests" / "scripts" / "cpu_peak_check.py")], timeout=300, env=env, fresh=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -208,15 +201,8 @@ print(json.dumps([native, peak_flops("cpu", ("bfloat16",)), peak_flops("cpu", ("
 @pytest.mark.parametrize("bf16,fp32", [(1e9, 100e9), (60e9, 100e9)])
 def test_bf16_emulation_is_reported_once_from_the_cached_rates(tmp_path, bf16, fp32):
     env = {**run_env(), "XDG_CACHE_HOME": str(tmp_path)}
-    out = subprocess.run(
-        [sys.executable, "-c", _NATIVE_CHECK, str(bf16), str(fp32)],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
+    out = run_python(["-c", _NATIVE_CHECK, str(bf16), str(fp32)], timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     native, peak_bf16, peak_both = json.loads(out.stdout.strip().splitlines()[-1])
     assert native is (bf16 >= 0.25 * fp32)
     assert (peak_bf16, peak_both) == (bf16, fp32)  # cached rates, no measurement

@@ -16,13 +16,14 @@ import psutil
 import pytest
 
 from common.net import free_port
-from tests.conftest import REPO, run_env, smoke
-from training import events
+from tests.conftest import REPO, run_env, run_python, smoke
+from training import events, metrics
 
 
 def elastic(run_dir: Path, data, *extra: str, restarts: int = 2, nodes: str = "1") -> list[str]:
+    """The arguments of ``python`` that start ``launch elastic`` of the smoke recipe on ``data``, writing to
+    ``run_dir``."""
     return [
-        sys.executable,
         "-m",
         "launch",
         "elastic",
@@ -94,7 +95,7 @@ def test_elastic_job_ends_preempted_agent_killed_rank_aborted_budget_spent(bert_
     # 1. The scheduler's SIGTERM reaches `launch elastic`: the agent stops the rank, which saves and exits 3,
     #    and the job ends with 3 for the scheduler to requeue; the agent does not start it again in place.
     proc = subprocess.Popen(
-        elastic(run_dir, bert_data, "train.steps=400"),
+        [sys.executable, *elastic(run_dir, bert_data, "train.steps=400")],
         cwd=REPO,
         env=run_env(),
         stdout=subprocess.PIPE,
@@ -119,7 +120,7 @@ def test_elastic_job_ends_preempted_agent_killed_rank_aborted_budget_spent(bert_
     # 2. The requeued job resumes and its agent is killed -9 (as by the OOM killer). The rank sees its
     #    launcher gone, saves and exits 3: the job ends with 3 and one line that says what happened.
     proc = subprocess.Popen(
-        elastic(run_dir, bert_data, "train.steps=400"),
+        [sys.executable, *elastic(run_dir, bert_data, "train.steps=400")],
         cwd=REPO,
         env=run_env(),
         stdout=subprocess.PIPE,
@@ -149,7 +150,7 @@ def test_elastic_job_ends_preempted_agent_killed_rank_aborted_budget_spent(bert_
     env = {**run_env(), "WP_ABORT_ON_CUE": str(cue)}
     env["PYTHONPATH"] = str(REPO / "tests" / "scripts" / "abort_on_cue") + os.pathsep + env["PYTHONPATH"]
     proc = subprocess.Popen(
-        elastic(run_dir, bert_data, "train.steps=400", restarts=1),
+        [sys.executable, *elastic(run_dir, bert_data, "train.steps=400", restarts=1)],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
@@ -192,31 +193,17 @@ def test_elastic_job_ends_preempted_agent_killed_rank_aborted_budget_spent(bert_
     saves = [e["step"] for e in evs if e["event"] == "checkpoint" and e["time"] < aborted["time"]]
     assert [e["step"] for e in evs if e["event"] == "start"] == [0, first, second, max(saves)]
     assert restart[0]["step"] == max(saves) > second  # the restart resumed from the last checkpoint
-    g = events.goodput(evs)  # the aborted start counts as a failed attempt, with its reason
+    g = metrics.goodput(evs)  # the aborted start counts as a failed attempt, with its reason
     assert g is not None and g["attempts"] == 4 and g["failures"][2]["why"] == aborted["why"]
 
 
 def test_global_batch_that_cannot_be_kept_is_refused_before_the_start(bert_data, tmp_path):
     # 8 = 4 x 2 on 1 node; on 2 nodes 4 x 1 x 2 = 8 fits, on 3 it cannot: refused, nothing started or written
-    r = subprocess.run(
-        elastic(tmp_path / "run", bert_data, nodes="1:3"),
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = run_python(elastic(tmp_path / "run", bert_data, nodes="1:3"), timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.startswith("error: train.global_batch=8 cannot be kept on 3 node(s)"), r.stderr
     assert not (tmp_path / "run").exists()
-    r = subprocess.run(
-        elastic(tmp_path / "run", bert_data, "train.grad_accum=2", nodes="1:2"),
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    r = run_python(elastic(tmp_path / "run", bert_data, "train.grad_accum=2", nodes="1:2"), timeout=60)
     assert r.returncode == 2 and "train.grad_accum=2 is fixed" in r.stderr, r.stderr
 
 
@@ -237,7 +224,7 @@ def test_goodput_arithmetic() -> None:
         _ev("checkpoint", 60, step=6, save_s=1.0),
         _ev("finish", 62, step=6, samples=48),
     ]
-    g = events.goodput(evs)
+    g = metrics.goodput(evs)
     assert g is not None
     assert g["wall_s"] == 62  # from the first launch (10 - 10) to the last event
     assert g["productive_s"] == pytest.approx((30 - 10 - 2) + (62 - 50 - 1))  # surviving steps, stalls out
@@ -252,11 +239,11 @@ def test_goodput_arithmetic() -> None:
         "redone_s": 8.0,
         "restart_s": 12.0,
     }
-    assert events.goodput([]) is None
+    assert metrics.goodput([]) is None
 
     # per segment of constant world size: start 1 trained steps 0-4 on 2 devices in 30 - 10 - 2 s of stalls,
     # start 2 steps 4-6 on 1 device in 62 - 50 - 1 s; global batch 8, 128 tokens a sequence
-    seg = events.segments(evs, global_batch=8, seq_len=128, flops_per_token=1e6, peak_flops_per_device=1e9)
+    seg = metrics.segments(evs, global_batch=8, seq_len=128, flops_per_token=1e6, peak_flops_per_device=1e9)
     assert seg is not None
     one, two = seg["segments"]
     assert (one["world_size"], one["from_step"], one["to_step"], one["seconds"]) == (2, 0, 4, 18.0)
@@ -270,7 +257,7 @@ def test_goodput_arithmetic() -> None:
     assert total["sequences"] == 48 and total["seconds"] == 29.0
     assert total["sequences_per_sec_per_device"] == pytest.approx(48 / (18 * 2 + 11))  # per device-second
     assert total["mfu"] == pytest.approx(48 / 47 * 128 * 1e6 / 1e9)
-    assert events.segments([], 8, 128) is None
+    assert metrics.segments([], 8, 128) is None
     assert events.read(Path("/nonexistent")) == []  # a run with no events file yet
 
     # events that carry the run's computed tokens and FLOPs (an unpadded run computes fewer than 128 a
@@ -280,7 +267,7 @@ def test_goodput_arithmetic() -> None:
     for ev in counted:
         if "step" in ev and ev["event"] in ("start", "checkpoint", "finish"):
             ev["tokens"], ev["flops"] = work[int(ev["step"])]
-    seg = events.segments(counted, global_batch=8, seq_len=128, flops_per_token=1e6, peak_flops_per_device=1e9)
+    seg = metrics.segments(counted, global_batch=8, seq_len=128, flops_per_token=1e6, peak_flops_per_device=1e9)
     assert seg is not None
     one, two = seg["segments"]
     assert (one["tokens"], one["flops"], two["tokens"], two["flops"]) == (3000, 3.0e9, 1400, 1.5e9)
@@ -301,12 +288,12 @@ def test_goodput_counts_a_background_save_from_its_stall_not_its_commit() -> Non
         _ev("start", 50, world_size=2, step=4, startup_s=5),
         _ev("finish", 62, step=6, samples=48),
     ]
-    g = events.goodput(evs)
+    g = metrics.goodput(evs)
     assert g is not None
     assert g["productive_s"] == pytest.approx((30 - 10 - 0.2) + (62 - 50))
     assert g["failures"][0]["redone_s"] == pytest.approx(8.0)  # 30 to 38, not 33 to 38
     assert g["checkpoint_stall_s"] == pytest.approx(0.2)
-    seg = events.segments(evs, global_batch=8, seq_len=128)
+    seg = metrics.segments(evs, global_batch=8, seq_len=128)
     assert seg is not None
     assert seg["segments"][0]["seconds"] == pytest.approx(30 - 10 - 0.2)
 
@@ -317,7 +304,7 @@ def test_goodput_counts_a_background_save_from_its_stall_not_its_commit() -> Non
         _ev("sigterm", 40, rank=1, step=6, why="SIGTERM"),
         _ev("checkpoint", 41, step=5, save_s=0.5, write_s=2.0, done_at=35.0),
     ]
-    seg = events.segments(stopped, global_batch=8, seq_len=128)
+    seg = metrics.segments(stopped, global_batch=8, seq_len=128)
     assert seg is not None
     (only,) = seg["segments"]
     assert only["to_step"] == 6 and only["seconds"] == pytest.approx(40 - 10 - 0.5)
@@ -337,7 +324,7 @@ def test_bad_input_is_not_retried(bert_data, tmp_path):
     """The data directory is missing: every start would fail the same way, so the job ends at the first, exit 2.
     Started outside the repository with a relative run.dir: the ranks write the events this process reads."""
     argv = elastic(Path("run"), bert_data, f"data.train={tmp_path / 'nope'}", restarts=3)
-    r = subprocess.run(argv, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=180)
+    r = run_python(argv, timeout=180, cwd=tmp_path)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout + r.stderr
     assert "Traceback" not in out, out[-3000:]  # the agent is ended without its own report
@@ -378,7 +365,6 @@ def test_checkpoint_every_auto_saves_at_youngs_interval(bert_data, tmp_path):
     run_dir = tmp_path / "run"
     data = bert_data
     argv = [
-        sys.executable,
         "train.py",
         *smoke(
             data,
@@ -394,7 +380,7 @@ def test_checkpoint_every_auto_saves_at_youngs_interval(bert_data, tmp_path):
             "checkpoint.keep=20",
         ),
     ]
-    r = subprocess.run(argv, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    r = run_python(argv, timeout=300)
     assert r.returncode == 0, r.stderr[-4000:]
     evs = events.read(run_dir)
     saves = [e["step"] for e in evs if e["event"] == "checkpoint"]
@@ -417,17 +403,14 @@ def test_node_mtbf_comes_from_the_cluster_profile(tmp_path: Path) -> None:
     from training.config import MTBF_ENV, node_mtbf_from_env
 
     out = tmp_path / "env"
-    argv = [sys.executable, "-m", "launch", "env", "--profile", "efa", "--out", str(out)]
-    r = subprocess.run(argv, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=60)
+    r = run_python(["-m", "launch", "env", "--profile", "efa", "--out", str(out)], timeout=60)
     assert r.returncode == 0, r.stderr
     value = dict(ln.split("=", 1) for ln in out.read_text().splitlines())[MTBF_ENV]
     env = {**run_env(), MTBF_ENV: value}
     code = "from training.config import load_config; print(load_config('smoke', %r).checkpoint.mtbf_hours)"
     cases = ((["checkpoint.every=auto"], float(value)), (["checkpoint.mtbf_hours=12"], 12.0))
     for overrides, expect in cases:  # the profile's value is the default; an explicit one wins
-        r = subprocess.run(
-            [sys.executable, "-c", code % overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
-        )
+        r = run_python(["-c", code % overrides], timeout=60, env=env)
         assert r.returncode == 0 and float(r.stdout) == expect, r.stderr
     assert node_mtbf_from_env({}) is None
     with pytest.raises(UserError) as e:

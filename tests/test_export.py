@@ -9,33 +9,20 @@ from __future__ import annotations
 import os
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, SHARED_DATA, data_bert, run_env, start_ranks
+from tests.conftest import SHARED_DATA, data_bert, run_python, start_ranks
 
 pytestmark = pytest.mark.slow
 
 ACCENTED = "The Café in Zürich, opened in 1887 by Émile Brontë, serves 北京 dumplings; naïve résumé!"
 
 
-def _run(cmd: list[str], umask: int | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        cmd,
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        preexec_fn=None if umask is None else (lambda: os.umask(umask)),
-    )
-
-
 def _export(*args: str, umask: int | None = 0o022) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-m", "training", "export", *args], umask=umask)
+    return run_python(["-m", "training", "export", *args], umask=umask)
 
 
 def _sample_sentences(text_dir: Path, n: int = 3) -> list[str]:
@@ -123,7 +110,7 @@ def bert_run(tmp_path_factory, wiki_text_dir, bert_vocab) -> dict[str, Path]:
     """bert-debug trained 2 steps on 2 ranks (ZeRO-2) on shards of the sample made with ``bert_vocab``."""
     root = tmp_path_factory.mktemp("bertexport")
     shards = root / "shards"
-    res = _run(
+    res = run_python(
         data_bert(
             wiki_text_dir,
             bert_vocab,
@@ -243,7 +230,7 @@ def neox_run(tmp_path_factory, wiki_text_dir) -> dict[str, Path]:
             "--no-progress",
         ],
     ):
-        res = _run([sys.executable, "-m", "data", *cmd])
+        res = run_python(["-m", "data", *cmd])
         assert res.returncode == 0, res.stderr[-3000:]
     ckpt = _train(
         root / "run",

@@ -12,13 +12,11 @@ under ``zero.Init``. ``scripts/gpu.sh`` installs from the offline bundle and run
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from tests.conftest import REPO, run_env
+from tests.conftest import run_python
 from tests.test_train import common, deepspeed, gpt_data, losses  # noqa: F401 (gpt_data: a fixture)
 from training import events
 
@@ -141,13 +139,7 @@ def test_export_from_a_gpu_run(bert_data, tmp_path):
     run_dir = tmp_path / "run"
     assert deepspeed(common(bert_data, run_dir, *NCCL), ranks=1).returncode == 0
     out = tmp_path / "hf"
-    res = subprocess.run(
-        [sys.executable, "-m", "training", "export", str(run_dir / "checkpoints"), "--out", str(out)],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-    )
+    res = run_python(["-m", "training", "export", str(run_dir / "checkpoints"), "--out", str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
     from transformers import AutoModelForPreTraining
 

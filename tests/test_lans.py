@@ -7,14 +7,12 @@ import copy
 import io
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from common.errors import UserError
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, run_env, run_python
 from training import lans as lans_mod
 from training.config import load_config
 from training.lans import LAMB, LANS, build_optimizer, param_groups, sum_of_squares
@@ -522,14 +520,7 @@ def test_sum_of_squares_bound_holds_with_other_instruction_sets(env: dict[str, s
         "from tests.test_lans import sumsq_relative_errors\n"
         "print(json.dumps([torch.backends.cpu.get_cpu_capability(), sumsq_relative_errors(cpp=False)]))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**run_env(), **env},
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_python(["-c", code], timeout=300, env={**run_env(), **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
     capability, errors = json.loads(proc.stdout.strip().splitlines()[-1])
     assert capability == "DEFAULT"  # the variables took effect: no AVX2 / AVX-512 kernels in ATen

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from common.errors import UserError
 from launch.commbench import PUBLISHED_ROW_BYTES, bus_factor, parse_sizes
-from tests.conftest import REPO, run_env
+from tests.conftest import run_env, run_python
 
 
 def test_size_parsing() -> None:
@@ -32,7 +30,7 @@ def test_bus_factors_follow_nccl_tests() -> None:
 def test_outside_the_launcher_is_a_one_line_error() -> None:
     env = run_env()
     env.pop("WORLD_SIZE", None)
-    r = subprocess.run([sys.executable, "-m", "launch", "commbench"], cwd=REPO, env=env, capture_output=True, text=True)
+    r = run_python(["-m", "launch", "commbench"], env=env)
     assert r.returncode == 2 and "deepspeed --num_gpus N --module launch commbench" in r.stderr
 
 
@@ -40,9 +38,8 @@ def test_outside_the_launcher_is_a_one_line_error() -> None:
 def test_two_cpu_ranks_print_the_table(tmp_path: Path) -> None:
     out = tmp_path / "comm.json"
     shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
-    r = subprocess.run(
+    r = run_python(
         [
-            sys.executable,
             "-m",
             "launch",
             "commbench",
@@ -55,10 +52,6 @@ def test_two_cpu_ranks_print_the_table(tmp_path: Path) -> None:
             "--out",
             str(out),
         ],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -4,14 +4,13 @@ runner.py reads."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from common.errors import UserError
 from launch.profiles import available_profiles, load_profile, render_env_file
-from tests.conftest import REPO, run_env
+from tests.conftest import run_python
 
 
 @pytest.mark.parametrize("name", available_profiles())
@@ -47,13 +46,7 @@ def test_env_file_expands_and_tidies_library_path() -> None:
 
 def test_env_file_is_sourceable_and_means_the_same_to_bash(tmp_path: Path) -> None:
     out = tmp_path / ".deepspeed_env"
-    r = subprocess.run(
-        [sys.executable, "-m", "launch", "env", "--profile", "tcp", "--out", str(out)],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-    )
+    r = run_python(["-m", "launch", "env", "--profile", "tcp", "--out", str(out)])
     assert r.returncode == 0, r.stderr
     expected = dict(line.split("=", 1) for line in out.read_text().splitlines())
     printed = subprocess.run(
@@ -76,13 +69,7 @@ def test_unsafe_value_is_refused_and_nothing_written(tmp_path: Path) -> None:
         render_env_file(load_profile(str(prof_path)))
     out = tmp_path / "envfile"
     out.write_text("KEEP=1\n")
-    r = subprocess.run(
-        [sys.executable, "-m", "launch", "env", "--profile", str(prof_path), "--out", str(out)],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-    )
+    r = run_python(["-m", "launch", "env", "--profile", str(prof_path), "--out", str(out)])
     assert r.returncode == 2 and r.stderr.startswith("error: ") and len(r.stderr.strip().splitlines()) == 1
     assert out.read_text() == "KEEP=1\n"
 

@@ -13,7 +13,7 @@ import pytest
 from common.errors import UserError
 from common.net import free_port
 from launch.hosts import Host, expand_slurm_nodelist, hostfile_text, parse_hostfile, validate_host
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, run_env, run_python
 
 
 @pytest.mark.parametrize(
@@ -52,14 +52,8 @@ def test_valid_hosts_and_hostfile_round_trip(tmp_path: Path) -> None:
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "launch", "hostfile", *args],
-        cwd=REPO,
-        env=env or run_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # a test's own environment: a fresh interpreter, not a prefork server started for it alone
+    return run_python(["-m", "launch", "hostfile", *args], timeout=120, env=env, fresh=env is not None)
 
 
 def test_hostfile_from_slurm_environment(tmp_path: Path) -> None:

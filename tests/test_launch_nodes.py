@@ -14,7 +14,7 @@ import pytest
 from common.cluster import node_count
 from common.errors import UserError
 from common.net import free_port
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, run_env, run_python
 
 # Every rank records what node_count() reads from the environment its launcher gave it.
 PROBE = f"""
@@ -43,9 +43,8 @@ def test_deepspeed_launcher_sets_cross_size_not_local_world_size(tmp_path: Path)
     world_info = base64.urlsafe_b64encode(json.dumps({"node-a": [0, 1], "node-b": [0, 1]}).encode()).decode()
     out = tmp_path / "out"
     out.mkdir()
-    r = subprocess.run(
+    r = run_python(
         [
-            sys.executable,
             "-m",
             "deepspeed.launcher.launch",
             f"--world_info={world_info}",
@@ -55,10 +54,6 @@ def test_deepspeed_launcher_sets_cross_size_not_local_world_size(tmp_path: Path)
             str(_probe(tmp_path)),
             str(out),
         ],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert r.returncode == 0, r.stdout + r.stderr

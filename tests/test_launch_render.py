@@ -12,20 +12,13 @@ from pathlib import Path
 import pytest
 
 from common.net import free_port
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, run_env, run_python
 
 EVIL = "x; touch {canary}"
 
 
 def render(tmp_path: Path, kind: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "launch", "render", kind, *args],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_python(["-m", "launch", "render", kind, *args], timeout=60)
 
 
 def dry_env(tmp_path: Path) -> dict[str, str]:

@@ -6,14 +6,13 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from common.errors import UserError
 from launch.report import build_rows, device_peak, find_runs, load_recipe
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, run_python
 from training.metrics import RunSummary, config_fingerprint
 
 FLOPS_PER_TOKEN = 1.5e8
@@ -96,14 +95,7 @@ def runs(tmp_path: Path) -> Path:
 
 
 def _report(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "launch", "report", *args],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    return run_python(["-m", "launch", "report", *args], timeout=180)
 
 
 def test_groups_and_efficiency(runs: Path) -> None:

@@ -4,11 +4,9 @@ real sweep of train.py at 1 and 2 ranks, the rerun that skips them and the repor
 from __future__ import annotations
 
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO, run_env
+from tests.conftest import REPO, run_python
 
 STANDIN = REPO / "tests" / "scripts" / "launch_standin_train.py"
 
@@ -24,9 +22,8 @@ def _config(tmp_path: Path) -> Path:
 
 def test_dry_run_prints_the_contract_commands(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
-    r = subprocess.run(
+    r = run_python(
         [
-            sys.executable,
             "-m",
             "launch",
             "sweep",
@@ -44,10 +41,6 @@ def test_dry_run_prints_the_contract_commands(tmp_path: Path) -> None:
             "--",
             "train.lr=1e-4",
         ],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
         timeout=60,
     )
     assert r.returncode == 0, r.stderr
@@ -59,13 +52,9 @@ def test_dry_run_prints_the_contract_commands(tmp_path: Path) -> None:
         assert "run.threads_per_rank=1" in c and c[-1] == "train.lr=1e-4"
     assert not (tmp_path / "runs").exists()
     # --script: any program that honours train.py's contract (the real sweep is in test_train.py)
-    r = subprocess.run(
-        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "2", "--steps", "7"]
+    r = run_python(
+        ["-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "2", "--steps", "7"]
         + ["--out", str(tmp_path / "runs"), "--script", str(STANDIN), "--dry-run"],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
         timeout=60,
     )
     assert r.returncode == 0, r.stderr

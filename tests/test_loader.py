@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from common.errors import UserError
 from common.net import free_port
 from data.h5format import BERT_SCHEMA
 from data.loader import EvalSet, PretrainingLoader
-from tests.conftest import REPO, data_bert, run_env, run_in_ranks
+from tests.conftest import data_bert, run_in_ranks, run_python
 
 NAMES = list(BERT_SCHEMA)  # the datasets of a BERT shard, NVIDIA's names and order
 ORDER = {"unit_rows": 16}  # many units even on the small sample
@@ -63,14 +62,11 @@ def take_steps(it, steps: int, grad_accum: int) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def shards(wiki_text_dir: Path, wiki_vocab: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("loader") / "bert"
-    p = subprocess.run(
+    p = run_python(
         data_bert(
             wiki_text_dir, wiki_vocab, out, "--dupe-factor", "1", "--shards", "3", "--seed", "3", "--no-progress"
         ),
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
+        timeout=600,
     )
     assert p.returncode == 0, p.stderr
     return out

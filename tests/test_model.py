@@ -4,8 +4,6 @@ models."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,7 @@ from transformers import BertForPreTraining, GPTNeoXForCausalLM
 from model.build import build_model, count_parameters
 from model.flops import training_flops_per_token
 from model.registry import FAMILIES, REGISTRY, get_spec
-from tests.conftest import REPO, run_env
+from tests.conftest import run_python
 
 # Published sizes; counts must be within 3%. neox-125m is nominal under the tied convention (GPT-NeoX's own
 # count with untied embeddings is 162M); the others are GPT-NeoX's own (untied) counts.
@@ -31,13 +29,7 @@ EXPECTED_PARAMS = {
 
 @pytest.fixture(scope="module")
 def listing() -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, "-m", "model", "list", "--json"],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-    )
+    out = run_python(["-m", "model", "list", "--json"])
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 

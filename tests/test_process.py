@@ -4,10 +4,9 @@ gives them; a non-daemon thread still running is waited for."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import REPO, run_env
+from tests.conftest import run_python
 
 SCRIPT = """
 import atexit, logging, sys, threading, time
@@ -27,14 +26,8 @@ exit_fast(3)
 
 
 def _run(tmp_path: Path, mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path / "f"), mode],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    # buffered: stdout as a plain interpreter's, which exit_fast must flush (``-u`` would leave it nothing to do)
+    return run_python(["-c", SCRIPT, str(tmp_path / "f"), mode], timeout=60, buffered=True)
 
 
 def test_exit_fast_keeps_what_a_normal_exit_gives(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -363,7 +362,7 @@ def test_wandb_offline(bert_data, tmp_path):
 
 
 def _cli(*args: str) -> None:
-    res = subprocess.run([sys.executable, "-m", *args], cwd=REPO, env=run_env(), capture_output=True, text=True)
+    res = run_python(["-m", *args], timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
 
 
@@ -478,8 +477,7 @@ def test_zero3_builds_partitioned_trains_resumes_and_exports(gpt_data, tmp_path)
     a, b = losses(run_dir), losses(again)
     assert sorted(b) == [4, 5, 6] and [b[s] for s in (4, 5, 6)] == [a[s] for s in (4, 5, 6)]
     out = tmp_path / "hf"
-    cmd = [sys.executable, "-m", "training", "export", str(run_dir / "checkpoints"), "--out", str(out)]
-    exp = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True, timeout=300)
+    exp = run_python(["-m", "training", "export", str(run_dir / "checkpoints"), "--out", str(out)])
     assert exp.returncode == 0, exp.stderr[-3000:]
     from transformers import AutoModelForCausalLM
 
@@ -550,25 +548,8 @@ def test_sweep_of_train_py_reports_measured_efficiency(bert_data, tmp_path):
         "checkpoint: {every: 3}\nlogging: {every: 1}\n"
     )
     runs, png = tmp_path / "runs", tmp_path / "scaling.png"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch",
-            "sweep",
-            "--config",
-            str(cfg),
-            "--world-sizes",
-            "1,2",
-            "--steps",
-            "8",
-            "--out",
-            str(runs),
-        ],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
+    res = run_python(
+        ["-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps", "8", "--out", str(runs)],
         timeout=600,
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -584,24 +565,12 @@ def test_sweep_of_train_py_reports_measured_efficiency(bert_data, tmp_path):
     assert 0 < measured < 2
     assert f"{measured * 100:.1f}%" in res.stdout  # the sweep's own table, computed from the summaries
     # a second sweep skips the sizes already measured
-    again = subprocess.run(
-        [sys.executable, "-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps", "8"]
-        + ["--out", str(runs)],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
+    again = run_python(
+        ["-m", "launch", "sweep", "--config", str(cfg), "--world-sizes", "1,2", "--steps", "8", "--out", str(runs)],
         timeout=120,
     )
     assert again.returncode == 0 and again.stdout.count("skip ") == 2, again.stdout + again.stderr
-    rep = subprocess.run(
-        [sys.executable, "-m", "launch", "report", str(runs), "--plot", str(png)],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    rep = run_python(["-m", "launch", "report", str(runs), "--plot", str(png)], timeout=120)
     assert rep.returncode == 0, rep.stderr
     assert f"{measured * 100:.1f}%" in rep.stdout and "(baseline)" in rep.stdout
     assert "| 1 | 2 |" in rep.stdout  # one node, two ranks

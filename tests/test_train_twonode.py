@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_env, smoke
+from tests.conftest import REPO, run_env, run_python, smoke
 from tests.netns import SUBNET, kill_namespace_processes, two_nodes, unavailable_reason
 from tests.test_train import losses
 
@@ -189,6 +189,7 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_pa
     alone from the last checkpoint, nobody acting. Node 1 comes back: the job grows back to 2 nodes at a
     restart. It ends with exactly train.steps x global_batch samples, and events.jsonl tells the story."""
     from training import events
+    from training.metrics import goodput
 
     run_dir, steps = tmp_path / "run", 30
     args = train_args(bert_data, run_dir, f"train.steps={steps}", "checkpoint.every=2", "deepspeed.timeout_s=20")
@@ -241,7 +242,7 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_pa
     changes = [(e["previous"], e["world_size"]) for e in evs if e["event"] == "world_size_change"]
     assert changes == [(2, 1), (1, 2)]
     assert kinds[-1] == "finish" and evs[-1]["step"] == steps and evs[-1]["samples"] == steps * 16
-    g = events.goodput(evs)
+    g = goodput(evs)
     assert g is not None and 0 < g["goodput"] < 1 and g["attempts"] == 3 and g["world_sizes"] == [2, 1, 2]
     assert [f["resumed_at_step"] for f in g["failures"]] == [alone["step"], grown["step"]]
     assert all(f["restart_s"] > 0 for f in g["failures"]) and g["failures"][1]["redone_s"] < 5
@@ -252,14 +253,7 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_pa
     assert seg["segments"][1]["scaling_efficiency"] == 1.0  # world size 1 is the baseline
     assert seg["total"]["sequences"] == sum((s["to_step"] - s["from_step"]) * 16 for s in seg["segments"])
     # launch report reads the same figures back
-    r = subprocess.run(
-        [sys.executable, "-m", "launch", "report", str(run_dir)],
-        cwd=REPO,
-        env=run_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = run_python(["-m", "launch", "report", str(run_dir)], timeout=120)
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith(f"- `{run_dir}`: goodput"))
     assert f"goodput {g['goodput'] * 100:.1f}% over 3 start(s) at world size(s) 2 1 2" in line, line

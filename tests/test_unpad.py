@@ -4,7 +4,6 @@ padded one, both measured against a float64 run of the padded model on real shar
 from __future__ import annotations
 
 import copy
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from model import unpad
 from model.build import build_model
 from model.flops import _layer_and_head_params, training_flops_of_lengths, training_flops_per_token
 from model.registry import BertSpec, get_spec
-from tests.conftest import REPO, data_bert, run_env
+from tests.conftest import data_bert, run_python
 
 BATCH_KEYS = {
     "input_ids",
@@ -36,7 +35,7 @@ def shards(wiki_text_dir: Path, wiki_vocab: Path, tmp_path_factory) -> Path:
     """Seq-128 BERT shards of the enwiki sample (``python -m data bert``, as the loader tests build them)."""
     out = tmp_path_factory.mktemp("unpad") / "bert"
     cmd = data_bert(wiki_text_dir, wiki_vocab, out, "--dupe-factor", "1", "--seed", "5", "--no-progress")
-    p = subprocess.run(cmd, cwd=REPO, env=run_env(), capture_output=True, text=True)
+    p = run_python(cmd, timeout=600)
     assert p.returncode == 0, p.stderr
     return out
 
