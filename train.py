@@ -70,8 +70,8 @@ def prepare(cfg: Config) -> Start | None:
     from training import collectives
     from training import engine as ds_engine
     from training.build import build_engine, check_run_dir, model_spec, open_data
-    from training.resume import check_shared, find_resume
-    from training.safeload import restrict
+    from training.checkpoint.resume import check_shared, find_resume
+    from training.checkpoint.safeload import restrict
 
     restrict()  # every checkpoint load of this rank (DeepSpeed's too) reads weights only: a file runs no code
     ds_engine.start(cfg)  # precision and backend checks, the device, threads, determinism, the process group
@@ -117,10 +117,10 @@ def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir:
     from model.flops import WorkCounter
     from training import collectives
     from training.build import run_identity, seed_everything
-    from training.checkpointer import Checkpointer, EventLog
+    from training.checkpoint.checkpointer import Checkpointer, EventLog
     from training.clock import Clock
-    from training.lans import attach_zero
     from training.logbook import Logbook
+    from training.optim.factory import attach_zero
     from training.trainer import Trainer, next_attempt
     from training.watch import DataWatchdog
 
@@ -249,9 +249,9 @@ def report(facts, trainer, perf: dict, startup_s: float) -> None:
     """After the last step: the finish event, the replica digests, and rank 0's summary.json."""
     from common.atomic import atomic_write_json
     from training import collectives, events
+    from training.checkpoint.replicas import write_replica_digest
     from training.clock import peak_memory_bytes, process_age_s
     from training.metrics import summarize
-    from training.replicas import write_replica_digest
 
     rank, run_dir = collectives.rank(), trainer.events_to.run_dir
     if rank == 0 and not perf["stopped"]:

@@ -279,13 +279,13 @@ def _is_checkpoint_file(path: Path) -> bool:
 @pytest.fixture(scope="session", autouse=True)
 def _checkpoints_within_the_allowlist(tmp_path_factory):
     """At the end of the session: every checkpoint file the suite wrote (ZeRO 0-3, BF16 and FP32, LANS, LAMB,
-    AdamW, background saves, universal conversions) names no global beyond ``training.safeload.ALLOWED``, so
+    AdamW, background saves, universal conversions) names no global beyond ``training.checkpoint.safeload.ALLOWED``, so
     a restricted load reads it. The doctored copies of test_untrusted_checkpoints.py and files the tests
     damaged on purpose (no longer a zip) are left out, and counted."""
     yield
     import torch
 
-    from training.safeload import allowed_names
+    from training.checkpoint.safeload import allowed_names
 
     allowed, checked, damaged, beyond = allowed_names(), 0, 0, []
     for path in sorted(tmp_path_factory.getbasetemp().rglob("*.pt")):
@@ -301,7 +301,9 @@ def _checkpoints_within_the_allowlist(tmp_path_factory):
             beyond.append(f"{path}: {sorted(unsafe - allowed)}")
     print(f"\ncheckpoint files checked against the allowlist: {checked} ({damaged} damaged on purpose, left out)")
     assert checked or not damaged, "every checkpoint file the suite wrote was unreadable"
-    assert not beyond, "checkpoint files name globals beyond training.safeload.ALLOWED:\n" + "\n".join(beyond[:20])
+    assert not beyond, "checkpoint files name globals beyond training.checkpoint.safeload.ALLOWED:\n" + "\n".join(
+        beyond[:20]
+    )
 
 
 def _start(

@@ -17,7 +17,9 @@ from common.errors import UserError
 from common.net import free_port
 from common.process import end_process_group
 from tests.conftest import run_in_ranks
-from training import checkpoint, collectives, events, saving
+from training import collectives, events
+from training.checkpoint import saving
+from training.checkpoint import storage as checkpoint
 from training.trainer import StepReduction
 
 LATE_STEPS = 3  # rank 1's write is held back this many steps

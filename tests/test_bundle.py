@@ -249,8 +249,8 @@ def test_offline_install_and_cpu_run(bundle, tmp_path, wiki_text_dir, wiki_vocab
     assert res.returncode == 0, res.stderr[-3000:]
 
     # The LANS C++ sources ship in the wheel (built on first use; AdamW below keeps this run compile-free).
-    assert sorted(p.name for p in (site / "training" / "csrc").glob("*.cpp")) == sorted(
-        p.name for p in (REPO / "training" / "csrc").glob("*.cpp")
+    assert sorted(p.name for p in (site / "training" / "optim" / "csrc").glob("*.cpp")) == sorted(
+        p.name for p in (REPO / "training" / "optim" / "csrc").glob("*.cpp")
     )
     # A private extension cache: the shared one is keyed by name, and this install's sources live elsewhere.
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "torch_extensions")

@@ -1,8 +1,8 @@
 """Resume decisions over damaged or foreign checkpoints, on a real 2-rank DeepSpeed checkpoint directory.
 
-``training.resume.find_resume`` and ``check_shared`` run here in the test process as rank 0 of one (the collectives
-are then trivial); the launcher-level behaviour (every rank exits with the same line) is in test_train.py,
-test_train_faults.py and test_train_twonode.py.
+``training.checkpoint.resume.find_resume`` and ``check_shared`` run here in the test process as rank 0 of one
+(the collectives are then trivial); the launcher-level behaviour (every rank exits with the same line) is in
+test_train.py, test_train_faults.py and test_train_twonode.py.
 """
 
 from __future__ import annotations
@@ -21,9 +21,16 @@ from common.net import free_port
 from model.registry import get_spec, spec_to_dict
 from tests.conftest import common, run_env, run_python
 from tests.prefork import SITECUSTOMIZE_ENV
-from training import checkpoint
+from training.checkpoint import storage as checkpoint
+from training.checkpoint.resume import (
+    NOT_ARCHITECTURE,
+    ResumePoint,
+    RunIdentity,
+    check_compatible,
+    check_shared,
+    find_resume,
+)
 from training.config import CheckpointSection
-from training.resume import NOT_ARCHITECTURE, ResumePoint, RunIdentity, check_compatible, check_shared, find_resume
 
 
 @pytest.fixture

@@ -334,7 +334,7 @@ def test_bad_input_is_not_retried(bert_data, tmp_path):
 
 
 def test_youngs_interval() -> None:
-    from training.checkpointer import young_interval
+    from training.checkpoint.checkpointer import young_interval
 
     # C = 30 s, MTBF = 3 h: sqrt(2 x 30 x 10800) = 804.98 s; at 2 s a step, 402 steps, 402 s lost per failure
     plan = young_interval(30.0, 2.0, 3 * 3600.0)

@@ -175,7 +175,7 @@ def test_bert_export_reproduces_training_tokenizer_and_weights(bert_run, wiki_te
 
 def test_export_refusals_and_overwrite(bert_run, tmp_path):
     from common.errors import UserError
-    from training.export import export_checkpoint
+    from training.checkpoint.export import export_checkpoint
 
     ckpt, out = bert_run["checkpoints"], tmp_path / "hf"
     out.mkdir()

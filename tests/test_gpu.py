@@ -144,8 +144,8 @@ def test_export_from_a_gpu_run(bert_data, tmp_path):
     from transformers import AutoModelForPreTraining
 
     from model.registry import get_spec
-    from training.checkpoint import read_latest
-    from training.export import consolidated_state
+    from training.checkpoint.export import consolidated_state
+    from training.checkpoint.storage import read_latest
 
     exported = AutoModelForPreTraining.from_pretrained(out).cuda().eval()
     ckpt = run_dir / "checkpoints"
@@ -219,7 +219,7 @@ def test_lans_takes_its_intended_path_on_the_gpu():
     go to the compiled kernels, with no fallback warning."""
     import warnings
 
-    from training.lans import LANS
+    from training.optim.lans import LANS
 
     params = [
         torch.nn.Parameter(torch.randn(300, 300, device="cuda")),
@@ -294,7 +294,7 @@ def test_lans_flat_partition_path_has_no_host_sync_on_the_gpu():
     the same weights as the foreach path on the same layout after 3 steps."""
     from common.syncs import count_host_syncs
     from tests.test_lans import split_layout
-    from training.lans import LANS
+    from training.optim.lans import LANS
 
     numels = [300_000, 700, 5]
     torch.manual_seed(0)

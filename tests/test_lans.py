@@ -13,10 +13,11 @@ import torch
 
 from common.errors import UserError
 from tests.conftest import REPO, run_env, run_python
-from training import lans as lans_mod
 from training.config import load_config
-from training.lans import LAMB, LANS, build_optimizer, param_groups, sum_of_squares
-from training.zero_map import GroupLayout
+from training.optim import lans as lans_mod
+from training.optim.factory import build_optimizer, param_groups
+from training.optim.lans import LAMB, LANS, sum_of_squares
+from training.optim.zero_map import GroupLayout
 
 
 class Tiny(torch.nn.Module):
@@ -221,8 +222,8 @@ def test_build_optimizer_passes_trust_no_decay_and_recipes_set_it() -> None:
 
 
 def test_zero_map_does_not_import_lans() -> None:
-    """One import direction: training.lans -> training.zero_map, not even a lazy import back."""
-    tree = ast.parse((REPO / "training" / "zero_map.py").read_text())
+    """One import direction: training.optim.lans -> training.optim.zero_map, not even a lazy import back."""
+    tree = ast.parse((REPO / "training" / "optim" / "zero_map.py").read_text())
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -231,7 +232,7 @@ def test_zero_map_does_not_import_lans() -> None:
             imported.add(node.module or "")
             imported |= {f"{node.module}.{a.name}" for a in node.names}
     assert "torch" in imported  # the walk sees the module's imports
-    assert not [m for m in imported if m == "training.lans" or m.startswith("training.lans.")]
+    assert not [m for m in imported if m == "training.optim.lans" or m.startswith("training.optim.lans.")]
 
 
 def test_fragments_an_implementation_does_not_take_go_to_its_fallback() -> None:

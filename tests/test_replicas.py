@@ -1,4 +1,4 @@
-"""The replica check after training (``training.replicas``): a checksum of the exact bits, compared across
+"""The replica check after training (``training.checkpoint.replicas``): a checksum of the exact bits, compared across
 ranks, that one flipped bit in one rank's copy fails."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from common.net import free_port
 from tests.conftest import run_in_ranks
-from training.replicas import replica_checksum, write_replica_digest
+from training.checkpoint.replicas import replica_checksum, write_replica_digest
 
 
 def _model() -> torch.nn.Module:

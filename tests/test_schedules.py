@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.errors import UserError
-from training.schedules import SCHEDULES, build_scheduler, cosine_warmup, poly_warmup, warmup_constant_decay
+from training.optim.schedules import SCHEDULES, build_scheduler, cosine_warmup, poly_warmup, warmup_constant_decay
 
 
 @pytest.mark.parametrize(

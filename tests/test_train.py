@@ -266,7 +266,7 @@ def test_async_save_commits_and_resumes_exactly(bert_data, straight_run, tmp_pat
     """checkpoint.async_save: the checkpoints of steps 2, 4 and 6 are written while training goes on, each
     committed with every file of both ranks, and a resume from step 6 repeats the uninterrupted run's losses
     exactly."""
-    from training.checkpoint import complete_tags, read_latest, tag_problem
+    from training.checkpoint.storage import complete_tags, read_latest, tag_problem
 
     run_dir = tmp_path / "run"
     first = deepspeed(

@@ -355,7 +355,7 @@ def test_a_stalled_data_loader_ends_its_rank_with_one_line(jobs: TwoAtATime):
 def test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit(jobs: TwoAtATime, bert_data):
     """SIGKILL one rank while the job saves at every step: every process of the job is gone within 30 s, the
     checkpoint ``latest`` names is complete and whole, and a restart resumes from it."""
-    from training.checkpoint import read_latest, tag_problem
+    from training.checkpoint.storage import read_latest, tag_problem
 
     job, run_dir = jobs("test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit")
     output = job.output
@@ -425,7 +425,7 @@ def test_sigterm_saves_and_exits_with_distinct_code(jobs: TwoAtATime, bert_data,
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(losses(run_dir))[-2:] == [stopped_at + 1, stopped_at + 2]
     # train.steps changed on resume: the first resumed step already runs at the new schedule's rate
-    from training.schedules import warmup_constant_decay
+    from training.optim.schedules import warmup_constant_decay
 
     rows = {}
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():

@@ -18,7 +18,8 @@ import torch.distributed as dist
 import train
 from common.net import free_port
 from tests.conftest import smoke
-from training import checkpoint, events
+from training import events
+from training.checkpoint import storage as checkpoint
 from training.config import load_config
 
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.conftest import common, deepspeed, run_python
-from training.checkpoint import UNIVERSAL_DONE, UNIVERSAL_PREFIX, tag_files
-from training.safeload import allowed_names
+from training.checkpoint.safeload import allowed_names
+from training.checkpoint.storage import UNIVERSAL_DONE, UNIVERSAL_PREFIX, tag_files
 
 pytestmark = pytest.mark.slow
 
@@ -121,9 +121,9 @@ def test_init_from_refuses_doctored_model_states(bert_data, doctored, tmp_path):
 
 
 def _convert(tag: Path, out: Path) -> subprocess.CompletedProcess:
-    """The conversion for another world size, as ``training.checkpoint.to_universal`` runs it."""
+    """The conversion for another world size, as ``training.checkpoint.storage.to_universal`` runs it."""
     return run_python(
-        ["-m", "training.safeload", "deepspeed.checkpoint.ds_to_universal"]
+        ["-m", "training.checkpoint.safeload", "deepspeed.checkpoint.ds_to_universal"]
         + ["--input_folder", str(tag), "--output_folder", str(out)]
         + ["--num_extract_workers", "1", "--num_merge_workers", "1"]
     )

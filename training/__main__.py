@@ -10,8 +10,10 @@ from common.errors import run_cli
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from training.export import export_checkpoint  # deferred: torch and DeepSpeed take seconds; --help does not
-    from training.safeload import restrict
+    from training.checkpoint.export import (
+        export_checkpoint,  # deferred: torch and DeepSpeed take seconds; --help does not
+    )
+    from training.checkpoint.safeload import restrict
 
     restrict()  # a checkpoint from elsewhere runs no code here either
 

@@ -178,10 +178,10 @@ def model_spec(model: ModelSection, data: DataSection, shard_attrs: dict[str, An
 def run_identity(
     spec, data: RunData, world: int, train: TrainSection, optimizer: OptimizerSection, resolved: dict[str, Any]
 ):
-    """The run's identity (``training.resume.RunIdentity``), built here once: every checkpoint records it and
+    """The run's identity (``training.checkpoint.resume.RunIdentity``), built here once: every checkpoint records it and
     a resume is checked against it."""
     from model.registry import spec_to_dict
-    from training.resume import RunIdentity
+    from training.checkpoint.resume import RunIdentity
 
     return RunIdentity(
         model_spec={**spec_to_dict(spec), "padded_vocab": spec.padded_vocab},
@@ -196,7 +196,7 @@ def run_identity(
 
 def schedule_kwargs(schedule: ScheduleSection, total_steps: int) -> dict:
     """The schedule section's fields that the chosen schedule function takes, plus the total steps."""
-    from training.schedules import SCHEDULES
+    from training.optim.schedules import SCHEDULES
 
     fields = {**dataclasses.asdict(schedule), "total_steps": total_steps}
     accepted = inspect.signature(SCHEDULES[schedule.kind]).parameters
@@ -219,8 +219,8 @@ def build_engine(
     from model.compile import compile_blocks
     from model.compile import wanted as compile_wanted
     from training import collectives
-    from training.lans import attach_zero, build_optimizer, param_groups
-    from training.schedules import build_scheduler
+    from training.optim.factory import attach_zero, build_optimizer, param_groups
+    from training.optim.schedules import build_scheduler
     from training.zero_init import build_partitioned, local_numel
 
     log.info(f"building {spec.name} and its optimizer")

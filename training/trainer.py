@@ -35,7 +35,7 @@ from common.log import get_logger
 from model.compile import compile_stats
 from model.flops import NO_WORK, Work, WorkCounter
 from training import collectives, events
-from training.checkpointer import Checkpointer, EventLog
+from training.checkpoint.checkpointer import Checkpointer, EventLog
 from training.clock import Clock, peak_memory_bytes, synchronize
 from training.config import TrainSection
 from training.devices import out_of_memory, to_device

@@ -19,8 +19,9 @@ import torch.distributed as dist
 from common.atomic import atomic_path
 from common.process import end_process_group, exit_fast
 from training.engine import bf16_section, no_shm_all_reduce
-from training.lans import LAMB, LANS, attach_zero, param_groups
-from training.schedules import build_scheduler
+from training.optim.factory import attach_zero, param_groups
+from training.optim.lans import LAMB, LANS
+from training.optim.schedules import build_scheduler
 
 VOCAB, DIM, HID, OUT, SEQ = 50, 16, 33, 20, 6
 

@@ -1,6 +1,6 @@
 """Writing a checkpoint tag and committing it: the synchronous save, the background save and the vote.
 
-A tag is committed (``COMPLETE``, then ``latest``: ``training.checkpoint``'s layout) only once every rank's
+A tag is committed (``COMPLETE``, then ``latest``: ``training.checkpoint.storage``'s layout) only once every rank's
 files of it are written and fsynced, and every rank learns the outcome at the same point:
 
 * **synchronous** (``save``): each rank writes and fsyncs its part, the ranks vote in one all-gather
@@ -31,7 +31,7 @@ import torch
 from common.atomic import atomic_path, atomic_write_json, atomic_write_text
 from common.errors import UserError
 from training import collectives
-from training.checkpoint import (
+from training.checkpoint.storage import (
     COMPLETE,
     FORMAT,
     LATEST,

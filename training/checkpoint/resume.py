@@ -17,7 +17,7 @@ from common.errors import UserError
 from common.log import get_logger
 from model.registry import spec_from_dict, spec_to_dict
 from training import collectives
-from training.checkpoint import (
+from training.checkpoint.storage import (
     candidates,
     complete_tags,
     incomplete_tags,

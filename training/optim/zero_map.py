@@ -11,7 +11,7 @@ group's model parameters) is the same on every rank.
 Plain fp32 (no ZeRO) and bf16 at stage 0 (``FP16_UnfusedOptimizer``: one fp32 copy per tensor) show the
 optimizer real tensors, so no layout is needed. ZeRO-3 and the fused fp16 optimizer are refused.
 
-This module knows nothing of the optimizers (``training/lans.py`` imports it, never the reverse): it holds
+This module knows nothing of the optimizers (``training/optim/lans.py`` imports it, never the reverse): it holds
 the layout type and the all-reduce of per-tensor sums that both sides use.
 """
 

@@ -7,8 +7,8 @@ changes with the world size. Here every parameter group is described by a *layou
 ``(start, numel, tensor index)`` of the flat tensor the optimizer sees. Norms are summed per fragment, added
 per tensor, all-reduced over the data-parallel group (LANS: one call for ||g||, one for ||w|| and the two
 update norms; LAMB: one call), and the per-tensor factors are applied back to the local fragments. Without
-ZeRO a tensor is its own single fragment and no communication happens. ``attach_zero(engine)`` builds the
-layouts from DeepSpeed's own lp->hp fragment links (see ``training/zero_map.py``).
+ZeRO a tensor is its own single fragment and no communication happens. ``training.optim.factory.attach_zero`` builds the
+layouts from DeepSpeed's own lp->hp fragment links (see ``training/optim/zero_map.py``).
 
 Maths (LANS, Zheng et al. 2020, Algorithm 2), per tensor with gradient g at step t::
 
@@ -27,7 +27,7 @@ of squares, update, per fragment). The group step does the per-tensor part (norm
 ratios) and hands the fragments to the implementation ``impl`` names; one that does not take a fragment
 hands it to its ``fallback``:
 
-- ``"cpu"`` (``_CppKernels``): C++ kernels (``training/csrc/lans_cpu.cpp``), one call per phase over all
+- ``"cpu"`` (``_CppKernels``): C++ kernels (``training/optim/csrc/lans_cpu.cpp``), one call per phase over all
   fragments of a group; the moment update and the sums of squares of r', c', w share one pass, and the
   update of w recomputes r' and c' rather than storing them: 12 memory passes per step against
   AdamW-foreach's ~20. They take fp32 or bf16 gradients; fragments with other gradients (float64, fp16) go
@@ -78,31 +78,7 @@ import torch
 from common.errors import UserError
 from model.compile import compile_errors
 from training import collectives
-from training.zero_map import GroupLayout, allreduce_sums, build_layouts
-
-NO_DECAY_MARKERS = ("bias", "LayerNorm", "layer_norm", "norm")
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: decayed weights, and biases / norm parameters / 1-D tensors without weight decay.
-
-    BERT's recipes (NVIDIA, Gaudi) exempt biases and LayerNorm gamma/beta from weight decay; empty groups are
-    dropped so that DeepSpeed does not see a group without parameters.
-    """
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        if p.ndim <= 1 or any(marker in name for marker in NO_DECAY_MARKERS):
-            no_decay.append(p)
-        else:
-            decay.append(p)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return [g for g in groups if g["params"]]
-
+from training.optim.zero_map import GroupLayout, allreduce_sums
 
 # What the torch._foreach_* functions take and return.
 TensorList = list[torch.Tensor] | tuple[torch.Tensor, ...]
@@ -229,7 +205,7 @@ _CPU_EXT: list = []  # [module or None] once tried
 
 
 def _cpu_kernels(required: bool = False) -> Any:
-    """The C++ CPU kernels (``training/csrc/lans_cpu.cpp``), built on first use with torch's extension
+    """The C++ CPU kernels (``training/optim/csrc/lans_cpu.cpp``), built on first use with torch's extension
     builder and cached under ~/.cache/torch_extensions (a file lock keeps concurrent ranks from building
     twice). ``-march=native``: the cache name carries a hash of this CPU's model and flags, so a home
     directory shared by different machines does not hand one machine another's binary (and of the source's
@@ -434,7 +410,7 @@ def _(w, r, c, frag, a, lans):
 
 
 # --------------------------------------------------------------------------------------------------------
-# The implementations, behind one interface. The group step (``_LayerwiseAdaptive._step_group``) does the
+# The implementations, behind one interface. The group step (``LayerwiseAdaptive._step_group``) does the
 # per-tensor part (sums per tensor, all-reduces, trust ratios) and hands the element-wise work on the
 # fragments to one ``_Kernels`` object per group and step.
 # --------------------------------------------------------------------------------------------------------
@@ -445,7 +421,7 @@ class GroupFragments:
     """One parameter group as the kernels see it: per fragment, 1-D views of w, g, m, v (w, m, v fp32).
 
     Without ZeRO a fragment is a whole tensor; under ZeRO, the part of a tensor in this rank's flat partition
-    (``training/zero_map.py``), so the norms are summed per tensor (``tensor_index``) and all-reduced.
+    (``training/optim/zero_map.py``), so the norms are summed per tensor (``tensor_index``) and all-reduced.
     """
 
     ws: list[torch.Tensor]  # the parameter, or its fp32 master
@@ -479,7 +455,7 @@ class _Kernels(ABC):
     name: ClassVar[str]  # the value of ``impl`` that selects it, and of the optimizer's ``last_impl``
     fallback: ClassVar[type[_Kernels] | None] = None
 
-    def __init__(self, frags: GroupFragments, idx: Sequence[int], opt: _LayerwiseAdaptive) -> None:
+    def __init__(self, frags: GroupFragments, idx: Sequence[int], opt: LayerwiseAdaptive) -> None:
         self.frags = frags
         self.lans = opt._lans
         taken = [self.takes(i, opt) for i in idx]
@@ -501,7 +477,7 @@ class _Kernels(ABC):
         """Raise UserError when it was asked for by name and cannot run here."""
         return None
 
-    def takes(self, i: int, opt: _LayerwiseAdaptive) -> bool:
+    def takes(self, i: int, opt: LayerwiseAdaptive) -> bool:
         """Whether fragment ``i`` is ours; the others go to ``fallback``."""
         return True
 
@@ -550,7 +526,7 @@ class _ForeachKernels(_Kernels):
 
     name = "foreach"
 
-    def __init__(self, frags: GroupFragments, idx: Sequence[int], opt: _LayerwiseAdaptive) -> None:
+    def __init__(self, frags: GroupFragments, idx: Sequence[int], opt: LayerwiseAdaptive) -> None:
         super().__init__(frags, idx, opt)
         self.r: TensorList = []
         self.c: TensorList | None = None
@@ -608,7 +584,7 @@ class _CompiledKernels(_Kernels):
     def usable(cls, device: torch.device) -> bool:
         return _fused_available(device)
 
-    def takes(self, i: int, opt: _LayerwiseAdaptive) -> bool:
+    def takes(self, i: int, opt: LayerwiseAdaptive) -> bool:
         return self.frags.ws[i].numel() >= opt.fused_min_numel
 
     def grad_sumsq(self, out: torch.Tensor) -> None:
@@ -665,7 +641,7 @@ class _FlatKernels(_Kernels):
         else the foreach ops (CPU: the C++ kernels are the default there; ``multi`` is asked for by name)."""
         return _CompiledKernels if device.type != "cpu" and _fused_available(device) else _ForeachKernels
 
-    def __init__(self, frags: GroupFragments, idx: Sequence[int], opt: _LayerwiseAdaptive) -> None:
+    def __init__(self, frags: GroupFragments, idx: Sequence[int], opt: LayerwiseAdaptive) -> None:
         self.ok = frags.flat is not None and len(set(frags.steps)) <= 1
         super().__init__(frags, idx, opt)
         opt.flat_group_steps += bool(self.idx)
@@ -677,7 +653,7 @@ class _FlatKernels(_Kernels):
         self.r: torch.Tensor | None = None
         self.c: torch.Tensor | None = None
 
-    def takes(self, i: int, opt: _LayerwiseAdaptive) -> bool:
+    def takes(self, i: int, opt: LayerwiseAdaptive) -> bool:
         return self.ok
 
     def _sumsq(self, *xs: torch.Tensor) -> torch.Tensor:
@@ -729,7 +705,7 @@ def _rows(table: torch.Tensor, ms: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class _CppKernels(_Kernels):
-    """The C++ kernels (``training/csrc/lans_cpu.cpp``), one call per phase over all our fragments. They
+    """The C++ kernels (``training/optim/csrc/lans_cpu.cpp``), one call per phase over all our fragments. They
     take fp32 or bf16 gradients; fragments with others (float64, fp16) go to the foreach ops, silently."""
 
     name = "cpu"
@@ -745,7 +721,7 @@ class _CppKernels(_Kernels):
             raise UserError(f"optimizer impl 'cpu' needs CPU parameters (these are on {device})")
         _cpu_kernels(required=True)
 
-    def takes(self, i: int, opt: _LayerwiseAdaptive) -> bool:
+    def takes(self, i: int, opt: LayerwiseAdaptive) -> bool:
         """The kernels' own checks (``check_group`` in lans_cpu.cpp)."""
         f = self.frags
         g = f.gs[i]
@@ -756,7 +732,7 @@ class _CppKernels(_Kernels):
             and all(t.dtype == torch.float32 and t.is_contiguous() for t in (f.ws[i], f.ms[i], f.vs[i]))
         )
 
-    def __init__(self, frags: GroupFragments, idx: Sequence[int], opt: _LayerwiseAdaptive) -> None:
+    def __init__(self, frags: GroupFragments, idx: Sequence[int], opt: LayerwiseAdaptive) -> None:
         super().__init__(frags, idx, opt)
         self.ext: Any = _cpu_kernels(required=True) if self.idx else None  # the module (None: no fragments)
         self.g, self.w, self.m, self.v = ([xs[i] for i in self.idx] for xs in (frags.gs, frags.ws, frags.ms, frags.vs))
@@ -776,7 +752,7 @@ _KERNELS: tuple[type[_Kernels], ...] = (_CppKernels, _FlatKernels, _CompiledKern
 IMPLS = ("auto", *(k.name for k in _KERNELS))
 
 
-class _LayerwiseAdaptive(torch.optim.Optimizer):
+class LayerwiseAdaptive(torch.optim.Optimizer):
     """Shared machinery of LANS and LAMB: layouts, per-tensor norms (optionally all-reduced), two phases."""
 
     _lans: bool = True
@@ -1105,52 +1081,16 @@ class _CommTimer:
         return self.done
 
 
-class LANS(_LayerwiseAdaptive):
+class LANS(LayerwiseAdaptive):
     """LANS (Zheng et al. 2020): normalized gradients, Nesterov-style blend of two trust-ratio steps."""
 
     _lans = True
 
 
-class LAMB(_LayerwiseAdaptive):
+class LAMB(LayerwiseAdaptive):
     """LAMB (You et al. 2019): Adam moments with bias correction, one trust ratio ||w||/||update||.
 
     Unlike DeepSpeed's fused LAMB it needs no loss scaling and works with bf16 (fp32 state and math).
     """
 
     _lans = False
-
-
-def build_optimizer(
-    name: str,
-    params: Iterable,
-    *,
-    lr: float,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-6,
-    weight_decay: float = 0.01,
-    trust_no_decay: bool = True,
-) -> torch.optim.Optimizer:
-    """The optimizer named in the run config: ``lans`` | ``lamb`` | ``adamw`` (torch AdamW, foreach).
-
-    ``trust_no_decay`` (``optimizer.trust_no_decay``): LANS/LAMB apply the trust ratio to parameter groups
-    without weight decay too; False gives them ratio 1, as NVIDIA's FusedLAMB does. AdamW has no trust ratio.
-    """
-    key = name.lower()
-    if key in ("lans", "lamb"):
-        cls = LANS if key == "lans" else LAMB
-        return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, trust_no_decay=trust_no_decay)
-    if key == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=True)
-    raise UserError(f"optimizer.name must be one of lans, lamb, adamw (got {name!r})")
-
-
-def attach_zero(engine: Any) -> None:
-    """Make the LANS/LAMB inside a DeepSpeed engine use per-tensor norms; call after deepspeed.initialize.
-
-    Also call it again after ``engine.load_checkpoint`` (cheap; the layout is rebuilt from DeepSpeed's links).
-    Raises RuntimeError for a DeepSpeed path whose partitioning is not covered (ZeRO-3).
-    """
-    opt = getattr(engine, "basic_optimizer", None)
-    if not isinstance(opt, _LayerwiseAdaptive):
-        return  # AdamW or another element-wise optimizer: partitioning does not change its result
-    opt.set_layouts(build_layouts(engine, opt))

@@ -16,8 +16,8 @@ The training loop calls three members, in this order:
   saves when one is due, and says whether the run must stop (a background save failed);
 * ``close(...)`` after the loop: the save in flight finished, then the last save.
 
-Storage, the write-and-vote protocol and the resume decision are in ``training.checkpoint``,
-``training.saving`` and ``training.resume``.
+Storage, the write-and-vote protocol and the resume decision are in ``training.checkpoint.storage``,
+``training.checkpoint.saving`` and ``training.checkpoint.resume``.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from common.log import get_logger
-from training import collectives, events, saving
-from training.checkpoint import latest_complete, load, read_client_state, resolve, to_universal
+from training import collectives, events
+from training.checkpoint import saving
+from training.checkpoint.resume import ResumePoint, RunIdentity, check_compatible
+from training.checkpoint.storage import latest_complete, load, read_client_state, resolve, to_universal
 from training.clock import Clock
 from training.config import CheckpointSection
-from training.resume import ResumePoint, RunIdentity, check_compatible
-from training.schedules import rates_at_current_step
+from training.optim.schedules import rates_at_current_step
 from training.watch import StopRequest
 
 log = get_logger("train")

@@ -22,8 +22,8 @@ from common.errors import UserError
 from data.h5format import sha256_file
 from model.build import build_model
 from model.registry import family_of, spec_from_dict
-from training import checkpoint as ckpt
-from training.safeload import refusing, restricted
+from training.checkpoint import storage as ckpt
+from training.checkpoint.safeload import refusing, restricted
 
 
 def _umask() -> int:
@@ -65,7 +65,7 @@ def _fragments_state(files: list[Path], shapes: dict[str, torch.Size]) -> dict[s
 
 def consolidated_state(ckpt_dir: Path, tag: str) -> dict[str, torch.Tensor]:
     """The checkpoint's FP32 weights (master weights where the run kept them), whole, on the CPU; every load
-    weights-only (``training.safeload``), DeepSpeed's included, also when called as a library."""
+    weights-only (``training.checkpoint.safeload``), DeepSpeed's included, also when called as a library."""
     with restricted():
         return _consolidated_state(ckpt_dir, tag)
 

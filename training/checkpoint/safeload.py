@@ -9,7 +9,7 @@ the process (and of the processes it starts) restricted even where the caller pa
 Nothing is checked before a load and loaded after: the load itself refuses, so a file cannot change in between.
 
 A file that needs anything else is refused as one line naming the file and the first global it asks for
-(``refusal``). ``python -m training.safeload MODULE ARGS...`` runs another module's ``main`` restricted (the
+(``refusal``). ``python -m training.checkpoint.safeload MODULE ARGS...`` runs another module's ``main`` restricted (the
 universal-checkpoint conversion runs so).
 """
 
@@ -170,7 +170,7 @@ def refusal(e: BaseException, where: Path | str) -> UserError | None:
     else:
         detail = [ln.strip() for ln in text.splitlines() if ln.strip() and "Weights only load failed" not in ln]
         what = f"its pickle does more than rebuild tensors ({(detail or ['refused'])[0][:160]})"
-    line = f"{path}: refusing to load this checkpoint file: {what} (allowed: training/safeload.py ALLOWED)"
+    line = f"{path}: refusing to load this checkpoint file: {what} (allowed: training/checkpoint/safeload.py ALLOWED)"
     name = Path(path).name
     per_rank = name.startswith("rng_rank") or "zero_pp_rank_" in name
     return RankError(line) if per_rank else UserError(line)
@@ -189,10 +189,11 @@ def refusing(where: Path | str) -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m training.safeload MODULE ARGS...``: run MODULE as ``__main__`` with every load restricted."""
+    """``python -m training.checkpoint.safeload MODULE ARGS...``: run MODULE as ``__main__``, every load
+    restricted."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
-        print("usage: python -m training.safeload MODULE [ARGS...]", file=sys.stderr)
+        print("usage: python -m training.checkpoint.safeload MODULE [ARGS...]", file=sys.stderr)
         return EXIT_USER_ERROR
     restrict()
     module, sys.argv = args[0], args

@@ -14,9 +14,9 @@ and ``CKPT_DIR`` after the renames of ``COMPLETE`` and ``latest``. A crash mid-s
 ``COMPLETE`` and ``latest`` still naming the previous one; resume ignores incomplete tags and a save removes
 them before it writes (freeing their space).
 
-The rest of checkpointing lives beside this module: ``training.saving`` writes and commits a tag (the vote,
-the background save), ``training.resume`` decides where a run continues from, and
-``training.checkpointer.Checkpointer`` is what the trainer holds: when to save, and restore.
+The rest of checkpointing lives beside this module: ``training.checkpoint.saving`` writes and commits a tag (the vote,
+the background save), ``training.checkpoint.resume`` decides where a run continues from, and
+``training.checkpoint.checkpointer.Checkpointer`` is what the trainer holds: when to save, and restore.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from common.atomic import atomic_write_text
 from common.errors import UserError
 from common.log import get_logger
 from training import collectives
-from training.safeload import refusing
+from training.checkpoint.safeload import refusing
 
 log = get_logger("train")
 
@@ -292,13 +292,13 @@ def _convert(ckpt_dir: Path, tag: str, out: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "training.safeload",  # DeepSpeed's conversion, with every load restricted as in the ranks
+        "training.checkpoint.safeload",  # DeepSpeed's conversion, with every load restricted as in the ranks
         "deepspeed.checkpoint.ds_to_universal",
         "--input_folder",
         str(ckpt_dir / tag),
         "--output_folder",
         str(out),
-        # 1 and 1: in this process, where training.safeload registered the allowlist (worker processes would
+        # 1 and 1: in this process, where training.checkpoint.safeload registered the allowlist (worker processes would
         # need it too, and a refusal there would not name its file)
         "--num_extract_workers",
         "1",
@@ -333,7 +333,7 @@ def load(engine, ckpt_dir: Path, tag: str, *, module_only: bool = False) -> None
 
     A universal tag (another world size) has no per-rank RNG states to restore: the caller re-seeds.
     """
-    with refusing(ckpt_dir / tag):  # every load restricted (training.safeload): a refusal is one line
+    with refusing(ckpt_dir / tag):  # every load restricted (training.checkpoint.safeload): a refusal is one line
         load_path, _ = engine.load_checkpoint(
             str(ckpt_dir),
             tag=tag,

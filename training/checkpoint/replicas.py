@@ -15,7 +15,7 @@ from common.log import get_logger
 from common.net import own_address
 from training import collectives
 
-log = get_logger("training.replicas")
+log = get_logger("training.checkpoint.replicas")
 
 _DIGEST_CHUNK = 1 << 20  # words per partial sum: no int64 overflow (see replica_checksum)
 

@@ -1,4 +1,4 @@
-// CPU kernels of LANS / LAMB (training/lans.py, impl "cpu"): one call per phase over all fragments of a
+// CPU kernels of LANS / LAMB (training/optim/lans.py, impl "cpu"): one call per phase over all fragments of a
 // parameter group. Work is cut into blocks of kBlock elements across all fragments and spread over torch's
 // intra-op threads; each block's sums of squares are accumulated in double, then added per fragment in block
 // order, so the result does not depend on the number of threads.
@@ -7,7 +7,7 @@
 // give 48-bit products) and >= 0, so however -march=native vectorises the double additions (4 lanes with
 // AVX2, 8 with AVX-512, several accumulators), n terms carry a relative error of at most
 // gamma_n = n u / (1 - n u), u = 2^-53 (Higham 2002, section 4.2): ISA-independent, the bound of
-// training/lans.py's sum_of_squares. The double accumulators cost nothing measurable (memory-bound).
+// training/optim/lans.py's sum_of_squares. The double accumulators cost nothing measurable (memory-bound).
 //
 // Per fragment f, sc[f] = [s, 1-b1, b2, 1-b2, eps', wd_r, wd_c] and a[f] = [a_r, a_c] (see lans.py):
 //   moments_sumsq: gt = s g ; m <- m + (1-b1)(gt - m) ; v <- b2 v + (1-b2) gt^2 ;
