@@ -27,7 +27,6 @@ from pathlib import Path
 import h5py
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 SETTINGS = {
     "seq_len": 128,

@@ -27,7 +27,6 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps <= args.every:
         raise SystemExit(f"error: --steps {args.steps} must exceed --every {args.every} (the last save is left out)")
 
-    from benchmarks.bench_train import build_data
+    from bench_train import build_data  # a sibling: a script's directory is on sys.path
+
     from common.net import free_port
     from training import events
 

@@ -37,22 +37,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from common.bytecount import ByteCounter, op_class  # noqa: E402
-from data.loader import unpadding_index  # noqa: E402
-from model.build import build_model  # noqa: E402
-from model.registry import BertSpec, get_spec  # noqa: E402
-from model.unpad import KERNELS  # noqa: E402
-from training.zero_map import GroupLayout  # noqa: E402
+from common.bytecount import ByteCounter, op_class
+from data.loader import unpadding_index
+from model.build import build_model
+from model.registry import BertSpec, get_spec
+from model.unpad import KERNELS
+from training.optim.zero_map import GroupLayout
 
 SEQ_LEN = 128
 PREDICTIONS = 20
@@ -231,7 +226,7 @@ def host_syncs(spec: BertSpec, kernel: str, tokens: int, rows: int) -> dict[str,
     step over its parameters as one flat partition. On meta tensors: they take every branch a CUDA tensor takes
     (neither is a CPU tensor), and hold no values, so a read of one is found, not answered. (Fake CUDA tensors
     would be closer, but a CPU build of torch cannot index them: its device guard needs CUDA.)"""
-    from training import lans as L
+    from training.optim import lans as L
 
     on_device = device_batch(micro_batch(tokens, rows, seed=2))
     model = model_of(spec, 2, kernel, torch.bfloat16).to("meta")
@@ -290,7 +285,7 @@ def compiled_graphs(spec: BertSpec, kernel: str, tokens: int) -> dict[str, int]:
 
 def optimizer_bytes(spec: BertSpec, impls: list[str]) -> dict[str, float]:
     """Bytes per parameter of the second step (the first builds state and compiles), LANS and LAMB."""
-    from training import lans as L
+    from training.optim import lans as L
 
     layer = model_of(spec, 1, "varlen", torch.float32).hf.bert.encoder.layer[0]
     numels = [p.numel() for p in layer.parameters()]

@@ -31,10 +31,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from training.optim.lans import LANS
 
-from training.lans import LANS  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 class NaiveLANS(torch.optim.Optimizer):

@@ -52,10 +52,9 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common.packages import python_path
 
-from common.packages import python_path  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 SHARED = REPO.parent / "shared" / "data"
 SETUP = {  # kind -> (seq_len, global batch, micro-batch); gradient accumulation fills the batch at W ranks

@@ -28,10 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common.net import free_port
 
-from common.net import free_port  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def launcher(ranks: int, port: int) -> list[str]:
@@ -40,7 +39,7 @@ def launcher(ranks: int, port: int) -> list[str]:
 
 def build_data(work: Path) -> dict[str, Path]:
     """BERT shards (seq 128, max_pred 20, the smoke recipe's) and their vocabulary: ``bench_train.py``'s."""
-    from benchmarks.bench_train import build_data as build
+    from bench_train import build_data as build  # a sibling: a script's directory is on sys.path
 
     args = argparse.Namespace(bert_seq=128, max_pred=20, gpt_seq=128, rebuild=False)
     paths = build(work, args, kinds=("bert",))

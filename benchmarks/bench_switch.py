@@ -28,12 +28,12 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from bench_train import Ports, build_data, run_ours  # a sibling: a script's directory is on sys.path
 
-from benchmarks.bench_train import Ports, build_data, run_ours  # noqa: E402
-from common.errors import UserError, run_cli  # noqa: E402
-from common.log import get_logger  # noqa: E402
+from common.errors import UserError, run_cli
+from common.log import get_logger
+
+REPO = Path(__file__).resolve().parents[1]
 
 log = get_logger("bench_switch")
 SWITCHES = ("model.unpad", "model.compile")

@@ -80,12 +80,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common.errors import UserError, run_cli
+from common.log import get_logger
+from common.packages import python_path
 
-from common.errors import UserError, run_cli  # noqa: E402
-from common.log import get_logger  # noqa: E402
-from common.packages import python_path  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 log = get_logger("bench_train")
 

@@ -28,11 +28,8 @@ import h5py
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from common.errors import UserError, run_cli  # noqa: E402
-from data import h5format  # noqa: E402
+from common.errors import UserError, run_cli
+from data import h5format
 
 
 class BertShards(torch.utils.data.Dataset):
@@ -256,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                 probe.close()
                 self.t1, self.cpu1 = time.perf_counter(), time.process_time()
 
-    from benchmarks.bench_train_ours import StepProbe
+    from bench_train_ours import StepProbe  # a sibling: a script's directory is on sys.path
+
     from common.packages import installed_version
 
     probe = StepProbe(cuda=cuda)

@@ -13,13 +13,31 @@ rank 0, with the host syncs per measured step (CUDA) and the mean optimizer-step
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+
+
+def import_train() -> ModuleType:
+    """The checkout's ``train.py`` as module ``train``: a script beside the installed packages, not one of them,
+    so it is loaded from its path (once; the same module where ``train`` is importable already)."""
+    if "train" in sys.modules:
+        return sys.modules["train"]
+    spec = importlib.util.spec_from_file_location("train", REPO / "train.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["train"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["train"]
+        raise
+    return module
 
 
 class StepProbe:
@@ -128,8 +146,9 @@ def time_clock_window(probe: StepProbe) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    import train
     from common.atomic import atomic_write_json
+
+    train = import_train()
 
     probe = StepProbe(cuda=torch.cuda.is_available())  # train.py's accelerator is CUDA wherever torch sees one
     window = time_clock_window(probe)

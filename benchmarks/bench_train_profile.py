@@ -23,14 +23,10 @@ import functools
 import os
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from common.errors import run_cli  # noqa: E402
+from common.errors import run_cli
 
 PHASES = collections.defaultdict(float)
 COUNTS = collections.Counter()
@@ -97,12 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MASTER_PORT", "29849")
 
     import deepspeed.runtime.engine as ds_engine
+    from bench_train_ours import import_train  # a sibling: a script's directory is on sys.path
 
-    import train
     from data.loader import PretrainingLoader
     from training.config import load_config
     from training.trainer import Trainer
 
+    train = import_train()
     cfg = load_config(None, [*args.overrides, f"run.threads_per_rank={args.threads}"])
     warm = cfg.logging.warmup_steps
     E = ds_engine.DeepSpeedEngine

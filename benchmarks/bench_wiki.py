@@ -31,10 +31,9 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from data.sample import sample_dump_path
 
-from data.sample import sample_dump_path  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 RESIDUE = (
     "{{",

@@ -20,9 +20,6 @@ import time
 import psutil
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
 
 def main() -> None:
     import deepspeed
