@@ -154,13 +154,15 @@ def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir:
             cfg.train.steps,
             engine.monitor,
             wandb_run=start_wandb(cfg, run_dir, resolved) if rank == 0 else None,
+            family=family,
         ),
         events_to=events_to,
         grad_accum=grad_accum,
-        count=WorkCounter(spec, cfg.data.seq_len, max_pred, unpadded=bool(getattr(engine.module, "unpad", False))),
+        count=WorkCounter(spec, cfg.data.seq_len, max_pred, unpadded=family.unpadded(cfg.model.unpad)),
         peak_flops=facts.peak_flops_per_device,
         clock=clock,
         log_every=cfg.logging.every,
+        family=family,
         data_watchdog=DataWatchdog(cfg.deepspeed.timeout_s, cfg.data.num_workers, run_dir),
     )
     return trainer, facts

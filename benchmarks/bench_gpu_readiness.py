@@ -87,9 +87,7 @@ def device_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def model_of(spec: BertSpec, layers: int, kernel: str, dtype: torch.dtype, dropout: float = 0.1) -> torch.nn.Module:
     torch.manual_seed(0)
     s = get_spec(spec.name, layers=layers, vocab_size=VOCAB, dropout=dropout)
-    model = build_model(s, unpad=True).to(dtype).train()
-    model.attention_kernel = kernel
-    return model
+    return build_model(s, unpad=True, unpad_kernel=kernel).to(dtype).train()
 
 
 @contextlib.contextmanager

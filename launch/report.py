@@ -216,7 +216,7 @@ def load_phase(name_or_path: str) -> Phase:
         tokens_per_sample=seq_len,
         flops_per_sample=training_flops_per_token(spec, seq_len, max_pred) * seq_len,
     )
-    if not (family.unpads and cfg.model.unpad):
+    if not family.unpadded(cfg.model.unpad):
         return phase
     lengths = data_lengths(cfg.data.train)
     if lengths is None:

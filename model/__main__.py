@@ -15,7 +15,7 @@ def _human(n: int) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from model.build import list_models
+    from model.build import list_models  # on call (start-up time): --help loads no torch nor transformers
 
     rows = list_models()
     if args.json:

@@ -5,11 +5,16 @@ masked positions: hidden states are gathered at ``masked_lm_positions`` before t
 NVIDIA's reference does, instead of over every position as ``BertForPreTraining`` does. With ``unpad`` (the
 default) the encoder runs on the real tokens only (``model.unpad``). The weights are the ``transformers`` ones
 either way, so a checkpoint exports to Hugging Face format unchanged.
+
+The family's spec (``BertSpec``), its named sizes and its record (``FAMILY``, ``model.family``) are here too.
 """
 
 from __future__ import annotations
 
+import functools
 import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,9 +25,48 @@ from transformers import BertConfig, BertForPreTraining, MegatronBertConfig, Meg
 from transformers.models.megatron_bert import modeling_megatron_bert as megatron
 
 from common.errors import UserError
+from data.tokenize_text import bert_tokenizer, check_bert_vocab
 from model import unpad as unpadding
+from model.family import CompileTarget, Evaluation, Family, ParamRole, check_sizes, pad_vocab
 from model.losses import IGNORE_INDEX, ChunkedLossHead
-from model.registry import BertSpec
+
+BERT_VOCAB = 30522  # BERT uncased WordPiece vocabulary
+
+
+@dataclass(frozen=True)
+class BertSpec:
+    """A BERT encoder with the MLM + next-sentence pre-training heads."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab_size: int = BERT_VOCAB
+    vocab_multiple: int = 8
+    max_positions: int = 512
+    type_vocab: int = 2
+    pre_layernorm: bool = False  # pre-LN blocks (MegatronBert) for the deep 1.5B / 5B models
+    dropout: float = 0.1
+    family: str = "bert"
+
+    def __post_init__(self) -> None:
+        check_sizes(self)
+
+    @property
+    def padded_vocab(self) -> int:
+        return pad_vocab(self.vocab_size, self.vocab_multiple)
+
+
+# BERT base/large (Devlin et al.) and the pre-LayerNorm 1.5B/5B shapes of the Gaudi DeepSpeed BERT recipes
+SIZES = (
+    BertSpec("bert-debug", layers=2, hidden=128, heads=2, ffn=512, max_positions=512),
+    BertSpec("bert-10m", layers=4, hidden=256, heads=4, ffn=1024),
+    BertSpec("bert-base", layers=12, hidden=768, heads=12, ffn=3072),
+    BertSpec("bert-large", layers=24, hidden=1024, heads=16, ffn=4096),
+    BertSpec("bert-1.5b", layers=48, hidden=1600, heads=25, ffn=6400, pre_layernorm=True),
+    BertSpec("bert-5b", layers=63, hidden=2560, heads=40, ffn=10240, pre_layernorm=True),
+)
 
 
 def hf_config(spec: BertSpec, attention: str = "sdpa") -> BertConfig | MegatronBertConfig:
@@ -99,14 +143,16 @@ class BertPretraining(nn.Module):
 
     family = "bert"
 
-    def __init__(self, spec: BertSpec, attention: str = "sdpa", unpad: bool = True) -> None:
+    def __init__(
+        self, spec: BertSpec, attention: str = "sdpa", unpad: bool = True, attention_kernel: str | None = None
+    ) -> None:
         super().__init__()
         self.spec = spec
         self.hf = build_hf_bert(spec, attention)
         # the MLM decoder (tied to the word embeddings) computes its loss in chunks, without the [B, P, V] logits
         ChunkedLossHead.adopt(self.hf.cls.predictions.decoder)
         self.unpad = unpad
-        self.attention_kernel: str | None = None
+        self.attention_kernel = attention_kernel
 
     def forward(
         self,
@@ -175,10 +221,9 @@ def save_hf_tokenizer(vocab: Path, out: Path, spec: BertSpec, lowercase: bool) -
     (BERT normalizer with the shards' casing, WordPiece over ``vocab``), so ``AutoTokenizer`` gives the
     training ids; ``vocab.txt`` is copied beside it for readers that want the plain vocabulary.
     """
-    # transformers 5 exports BertTokenizerFast lazily (an alias of BertTokenizer) without declaring it
+    # On call (start-up time: the tokenizer classes take 0.4 s to load, and only an export needs them).
+    # transformers 5 exports BertTokenizerFast lazily (an alias of BertTokenizer) without declaring it.
     from transformers import BertTokenizerFast  # type: ignore[attr-defined]
-
-    from data.tokenize_text import bert_tokenizer, check_bert_vocab
 
     words = check_bert_vocab(vocab)  # one line naming the file when it is not a BERT vocab.txt
     if len(words) > spec.padded_vocab:
@@ -193,3 +238,102 @@ def save_hf_tokenizer(vocab: Path, out: Path, spec: BertSpec, lowercase: bool) -
     tok.save_pretrained(str(out))
     shutil.copyfile(vocab, Path(out) / "vocab.txt")
     return {"pad_token_id": tok.pad_token_id}
+
+
+def save_tokenizer(vocab: Path, out: Path, spec: BertSpec, data_attrs: dict[str, Any]) -> dict[str, int]:
+    """The record's tokenizer writer: the shards' casing (``lowercase``) from their attributes."""
+    return save_hf_tokenizer(vocab, out, spec, lowercase=bool(data_attrs.get("lowercase", True)))
+
+
+# ---------------------------------------------------------------------------------------------- the record
+
+
+def mlm_head_weights(pred_head: int, seq_head: int, max_pred: int | None) -> tuple[int, int]:
+    """BERT: nothing per token; per sequence the MLM head at ``max_pred`` gathered positions, pooler + NSP once."""
+    if max_pred is None:
+        raise ValueError("BERT FLOPs need max_pred (MLM predictions per sequence)")
+    return 0, pred_head * max_pred + seq_head
+
+
+def param_role(name: str) -> ParamRole:
+    """``transformers``' names: the tied MLM decoder is the output embedding, the rest of ``cls.predictions``
+    the prediction head, the pooler and NSP classifier the per-sequence head."""
+    if name.endswith("word_embeddings.weight"):
+        return "input_embedding"
+    if name.endswith(("position_embeddings.weight", "token_type_embeddings.weight")):
+        return "position_embedding"
+    if name.endswith("cls.predictions.decoder.weight"):
+        return "output_embedding"
+    if ".cls.predictions." in name:
+        return "prediction_head"
+    if ".pooler." in name or ".cls.seq_relationship." in name:
+        return "sequence_head"
+    return "layer"
+
+
+def whole_layers(model: BertPretraining) -> bool:
+    """Whether ``model``'s layers compile whole: on its real tokens, outside ZeRO-3."""
+    return model.unpad and not any(unpadding.partitioned(p) for p in model.parameters())
+
+
+def compile_scope(model: BertPretraining) -> list[CompileTarget]:
+    """What ``model.compile`` compiles (its module docstring): on the real tokens outside ZeRO-3 each whole layer,
+    through the ``packed_call`` the encoder makes (``model.unpad.encode``); else each layer's dense modules."""
+    layers = model.hf.bert.encoder.layer
+    if whole_layers(model):
+        pre_layernorm = model.spec.pre_layernorm
+        return [
+            (layer, "packed_call", functools.partial(unpadding.packed_layer, layer, pre_layernorm)) for layer in layers
+        ]
+    out: list[CompileTarget] = []
+    for layer in layers:
+        names: tuple[str, ...] = ("attention.output", "intermediate", "output")
+        if hasattr(layer, "ln"):  # MegatronBertLayer (pre-LN): its two LayerNorms too
+            names += ("attention.ln", "ln")
+        out += [(m, "forward", m.forward) for m in map(layer.get_submodule, names)]
+    return out
+
+
+def _eval_pieces(out: Mapping[str, Any], n: float) -> dict[str, Any]:
+    return {
+        "mlm_loss_x_n": out["mlm_loss"].double() * n,
+        "nsp_loss_x_n": out["nsp_loss"].double() * n,
+        **{k: out[k] for k in ("mlm_correct", "mlm_count", "nsp_correct", "nsp_count")},
+    }
+
+
+def _eval_metrics(total: Mapping[str, float]) -> dict[str, float]:
+    if total["mlm_count"] <= 0:
+        return {}
+    return {
+        "eval_mlm_loss": total["mlm_loss_x_n"] / total["n"],
+        "eval_nsp_loss": total["nsp_loss_x_n"] / total["n"],
+        "eval_mlm_accuracy": total["mlm_correct"] / total["mlm_count"],
+        "eval_nsp_accuracy": total["nsp_correct"] / max(total["nsp_count"], 1.0),
+    }
+
+
+FAMILY = Family(
+    name="bert",
+    title="BERT",
+    spec_class=BertSpec,
+    sizes=SIZES,
+    model=BertPretraining,
+    shard_kind="bert",
+    hash_key="vocab_sha256",
+    tokenizer_file="vocab.txt",
+    uses_max_pred=True,
+    unpads=True,
+    head_weights=mlm_head_weights,
+    param_role=param_role,
+    compile_scope=compile_scope,
+    loss_parts=("mlm_loss", "nsp_loss"),
+    evaluation=Evaluation(
+        sums=("mlm_loss_x_n", "nsp_loss_x_n", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count"),
+        pieces=_eval_pieces,
+        metrics=_eval_metrics,
+        labels=(("eval_mlm_accuracy", "eval MLM acc"), ("eval_nsp_accuracy", "eval NSP acc")),
+    ),
+    save_tokenizer=save_tokenizer,
+    hf_auto_class="AutoModelForPreTraining",
+)

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import functools
-from typing import cast
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from model.bert import BertPretraining
-from model.neox import NeoxPretraining
+from model.family import ParamRole
 from model.registry import REGISTRY, ModelSpec, family_of, get_spec
-
-PretrainingModel = BertPretraining | NeoxPretraining
 
 
 def build_model(
@@ -22,27 +20,29 @@ def build_model(
     attention: str = "sdpa",
     activation_checkpointing: bool = False,
     unpad: bool = True,
-) -> PretrainingModel:
-    """Construct the pre-training model. ``device="meta"`` builds shapes only (any size, no memory).
+    unpad_kernel: str | None = None,
+) -> nn.Module:
+    """Construct the family's pre-training model (``Family.build``). ``device="meta"`` builds shapes only (any
+    size, no memory).
 
-    ``unpad``: BERT computes only the real tokens of its padded batches (``model.unpad``); GPT-NeoX's packed
-    windows have no padding, it ignores it.
+    ``unpad``: ``model.unpad``, which the family's record turns into whether the model computes only the real
+    tokens of its padded batches (``Family.unpadded``: BERT does; GPT-NeoX's packed windows have no padding);
+    ``unpad_kernel``: then the attention kernel over the packed tokens (None: the device's default).
     """
     if isinstance(spec, str):
         spec = get_spec(spec)
+    family = family_of(spec)
     with torch.device(device):
-        # Family.build is declared as returning nn.Module: each family builds its own pre-training model.
-        model = cast(PretrainingModel, family_of(spec).build(spec, attention))
-    if isinstance(model, BertPretraining):
-        model.unpad = unpad
+        model = family.build(spec, attention, unpad=family.unpadded(unpad), unpad_kernel=unpad_kernel)
     if activation_checkpointing:
         # Non-reentrant checkpointing: works with ZeRO-3 parameter gathering and with frozen inputs.
-        model.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf: Any = model.hf
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def parameter_breakdown(model: nn.Module) -> dict[str, int]:
-    """Parameter counts by role (``transformers`` names): embeddings, output embedding, the rest."""
+def parameter_breakdown(model: nn.Module, role: Callable[[str], ParamRole]) -> dict[str, int]:
+    """Parameter counts by role (the family's ``Family.param_role``): embeddings, output embedding, the rest."""
     out = {"total": 0, "input_embedding": 0, "output_embedding": 0, "position_embedding": 0}
     seen: set[int] = set()
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -51,12 +51,9 @@ def parameter_breakdown(model: nn.Module) -> dict[str, int]:
         seen.add(id(p))
         n = p.numel()
         out["total"] += n
-        if name.endswith(("word_embeddings.weight", "embed_in.weight")):
-            out["input_embedding"] += n
-        elif name.endswith(("embed_out.weight", "lm_head.weight")):
-            out["output_embedding"] += n
-        elif name.endswith(("position_embeddings.weight", "token_type_embeddings.weight")):
-            out["position_embedding"] += n
+        kind = role(name)
+        if kind in out:
+            out[kind] += n
     return out
 
 
@@ -68,7 +65,7 @@ def count_parameters(spec: ModelSpec) -> dict[str, int]:
     convention). ``tied`` counts the vocabulary matrix once: the convention behind GPT-3-style nominal names
     such as "125M".
     """
-    counts = parameter_breakdown(build_model(spec, device="meta"))
+    counts = parameter_breakdown(build_model(spec, device="meta"), family_of(spec).param_role)
     counts["tied"] = counts["total"] - counts["output_embedding"]
     return counts
 

@@ -1,8 +1,9 @@
 """Compiled transformer blocks (``model.compile``): ``torch.compile`` with dynamic shapes, eager on failure.
 
-What is compiled, per family (the modules keep their names, parameters and hooks: each one's ``forward`` is
-replaced by a guarded compiled call, so checkpoints, the Hugging Face export, ZeRO-3's gathering hooks and
-activation checkpointing see the same modules):
+What is compiled, per family, is its record's ``Family.compile_scope``. The modules keep their names, parameters
+and hooks: each one's ``forward`` (or the call of its own the model makes) is replaced by a guarded compiled call,
+so checkpoints, the Hugging Face export, ZeRO-3's gathering hooks and activation checkpointing see the same
+modules:
 
 * BERT on its real tokens (``model.unpad``): each whole layer, attention included (``model.unpad.packed_layer``:
   the attention is one opaque operator, ``model.attention``, and the layer's inputs are tensors and ints, so one
@@ -23,7 +24,6 @@ own error; not seen on CPU, where both graphs compile in the forward call.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -31,13 +31,15 @@ import torch
 from torch import nn
 
 from common.log import get_logger
+from model.family import CompileTarget
+from model.registry import family_of
 
 log = get_logger("model.compile")
 
 
 def compile_errors() -> tuple[type[BaseException], ...]:
     """The exceptions that mean "compilation failed" (not "the computation failed")."""
-    import torch._dynamo.exc as dynamo_exc
+    import torch._dynamo.exc as dynamo_exc  # on call (start-up time): torch._dynamo takes about 2 s to load
 
     errors: list[type[BaseException]] = [dynamo_exc.TorchDynamoException]
     try:
@@ -49,29 +51,23 @@ def compile_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-def whole_layers(model: nn.Module) -> bool:
-    """Whether ``model``'s BERT layers compile whole: on its real tokens, outside ZeRO-3."""
-    from model.unpad import partitioned
-
-    return bool(getattr(model, "unpad", False)) and not any(partitioned(p) for p in model.parameters())
+def compile_scope(model: nn.Module) -> list[CompileTarget]:
+    """What :func:`compile_blocks` compiles in ``model``, as its family's record says (``Family.compile_scope``)."""
+    spec = getattr(model, "spec", None)
+    if spec is None:
+        raise ValueError(f"{type(model).__name__}: not a pre-training model of this project")
+    return family_of(spec).compile_scope(model)
 
 
 def compiled_modules(model: nn.Module) -> list[nn.Module]:
-    """The modules :func:`compile_blocks` compiles in ``model`` (``BertPretraining`` or ``NeoxPretraining``)."""
-    hf: Any = getattr(model, "hf", None)
-    if hf is None:
-        raise ValueError(f"{type(model).__name__}: not a pre-training model of this project")
-    if hasattr(hf, "gpt_neox"):
-        return list(hf.gpt_neox.layers)
-    if whole_layers(model):
-        return list(hf.bert.encoder.layer)
-    out: list[nn.Module] = []
-    for layer in hf.bert.encoder.layer:
-        names: tuple[str, ...] = ("attention.output", "intermediate", "output")
-        if hasattr(layer, "ln"):  # MegatronBertLayer (pre-LN): its two LayerNorms too
-            names += ("attention.ln", "ln")
-        out += [layer.get_submodule(n) for n in names]
-    return out
+    """The modules :func:`compile_blocks` compiles in ``model``."""
+    return [module for module, _, _ in compile_scope(model)]
+
+
+def whole_layers(model: nn.Module) -> bool:
+    """Whether ``model``'s layers compile whole through a call of their own that the model makes, attention
+    included (BERT on its real tokens outside ZeRO-3: each layer's ``packed_call``)."""
+    return any(attribute != "forward" for _, attribute, _ in compile_scope(model))
 
 
 class _Fallback:
@@ -106,21 +102,12 @@ def _guarded(eager: Callable[..., Any], backend: Any, fallback: _Fallback) -> Ca
 def compile_blocks(model: nn.Module, backend: Any = "inductor") -> int:
     """Compile ``model``'s transformer blocks in place (see the module docstring); the number of modules."""
     fallback = _Fallback()
-    modules = compiled_modules(model)
-    if whole_layers(model):  # the encoder calls each layer's packed_call (model.unpad.encode)
-        from model.unpad import packed_layer
-
-        spec: Any = model.spec
-        pre_layernorm = bool(spec.pre_layernorm)
-        for layer in modules:
-            whole = functools.partial(packed_layer, layer, pre_layernorm)
-            object.__setattr__(layer, "packed_call", _guarded(whole, backend, fallback))
-    else:
-        for m in modules:
-            m.forward = _guarded(m.forward, backend, fallback)
+    targets = compile_scope(model)
+    for module, attribute, eager in targets:  # e.g. forward, or the packed_call model.unpad.encode makes
+        object.__setattr__(module, attribute, _guarded(eager, backend, fallback))
     object.__setattr__(model, "compile_fallback", fallback)  # what a test or a report can read
-    _COMPILED_HERE.append(len(modules))
-    return len(modules)
+    _COMPILED_HERE.append(len(targets))
+    return len(targets)
 
 
 _COMPILED_HERE: list[int] = []  # modules per compile_blocks call in this process
@@ -132,7 +119,7 @@ def compile_stats() -> dict[str, int] | None:
     ``graph_breaks`` (TorchDynamo's count; 0 when each block is one graph)."""
     if not _COMPILED_HERE:
         return None
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # on call (start-up time, as in compile_errors)
 
     return {"compiled_graphs": compile_count(), "graph_breaks": int(sum(counters["graph_break"].values()))}
 
@@ -140,7 +127,7 @@ def compile_stats() -> dict[str, int] | None:
 def compile_count() -> int:
     """Graphs ``torch.compile`` has compiled in this process so far (TorchDynamo's own counter): constant
     once every compiled module has run, when nothing recompiles."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # on call (start-up time, as in compile_errors)
 
     return int(counters["stats"]["unique_graphs"])
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import astuple, dataclass
-from typing import cast
 
 import torch
 
@@ -45,25 +44,24 @@ from model.registry import ModelSpec, family_of
 @functools.cache
 def _layer_and_head_params(spec: ModelSpec) -> tuple[int, int, int]:
     """(weights in transformer layers + final norm, per-prediction head weights, per-sequence head
-    weights)."""
+    weights), by the family's ``Family.param_role``. A tied output embedding (BERT's decoder) is the embedding
+    matrix under a second name: looked up once, multiplied once."""
+    family = family_of(spec)
     model = build_model(spec, device="meta")
-    layers = pred_head = seq_head = 0
-    for name, p in model.named_parameters():  # tied decoder weight appears once, under the embedding name
-        n = p.numel()
-        if name.endswith(("word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight")):
-            continue
-        if name.endswith("embed_in.weight"):
-            continue
-        if ".cls.predictions." in name or name.endswith(("embed_out.weight", "lm_head.weight")):
-            pred_head += n
-        elif ".pooler." in name or ".cls.seq_relationship." in name:
-            seq_head += n
-        else:
-            layers += n
-    out, inp = model.hf.get_output_embeddings(), model.hf.get_input_embeddings()
-    if out is not None and out.weight is inp.weight:  # a tied decoder multiplies by the embedding matrix
-        pred_head += cast(torch.Tensor, out.weight).numel()
-    return layers, pred_head, seq_head
+    counts = {"layer": 0, "prediction": 0, "sequence": 0}
+    bucket = {
+        "layer": "layer",
+        "prediction_head": "prediction",
+        "output_embedding": "prediction",
+        "sequence_head": "sequence",
+    }  # embedding lookups are no matmul
+    seen: set[tuple[int, str]] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        where = bucket.get(family.param_role(name))
+        if where is not None and (id(p), where) not in seen:  # each weight once per use
+            seen.add((id(p), where))
+            counts[where] += p.numel()
+    return counts["layer"], counts["prediction"], counts["sequence"]
 
 
 def _head_weights(spec: ModelSpec, max_pred: int | None) -> tuple[int, int, int]:

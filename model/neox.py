@@ -11,19 +11,72 @@ in two ways of its own:
   ``create_causal_mask``, which probes ``position_ids`` for packed sequences with a Python ``if`` on a device
   tensor, a host synchronisation every step (``transformers`` 5.17 to 5.24 at least). Our windows are packed
   documents attended causally across document boundaries, as GPT-NeoX trains, so there is nothing to probe.
+
+The family's spec (``NeoxSpec``), its named sizes and its record (``FAMILY``, ``model.family``) are here too.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from common.errors import UserError
+from data.gpt import load_tokenizer
+from model.family import CompileTarget, Evaluation, Family, ParamRole, check_sizes, lm_head_weights, pad_vocab
 from model.losses import CHUNK_TOKENS, ChunkedLossHead
-from model.registry import NeoxSpec
+
+NEOX_VOCAB = 50432  # GPT-NeoX-20B's padded vocabulary (50277 tokens + padding)
+
+
+@dataclass(frozen=True)
+class NeoxSpec:
+    """A GPT-NeoX decoder: rotary embeddings, untied input/output embeddings."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int = 0  # 0: 4 x hidden
+    vocab_size: int = NEOX_VOCAB
+    vocab_multiple: int = 128
+    max_positions: int = 2048
+    rotary_pct: float = 1.0
+    rotary_base: float = 10000.0
+    parallel_residual: bool = False  # GPT-J style residual (20B uses it)
+    dropout: float = 0.0
+    family: str = "neox"
+
+    def __post_init__(self) -> None:
+        if self.ffn == 0:
+            object.__setattr__(self, "ffn", 4 * self.hidden)
+        check_sizes(self)
+        if not 0.0 < self.rotary_pct <= 1.0:
+            raise ValueError(f"{self.name}: rotary_pct must be in (0, 1], got {self.rotary_pct}")
+
+    @property
+    def padded_vocab(self) -> int:
+        return pad_vocab(self.vocab_size, self.vocab_multiple)
+
+
+# GPT-NeoX's own configs (configs/125M.yml ... 20B.yml)
+SIZES = (
+    NeoxSpec("neox-debug", layers=2, hidden=128, heads=4, max_positions=2048),
+    NeoxSpec("neox-125m", layers=12, hidden=768, heads=12),
+    NeoxSpec("neox-350m", layers=24, hidden=1024, heads=16),
+    NeoxSpec("neox-760m", layers=24, hidden=1536, heads=16),
+    NeoxSpec("neox-1.3b", layers=24, hidden=2048, heads=16),
+    NeoxSpec("neox-2.7b", layers=32, hidden=2560, heads=32),
+    NeoxSpec("neox-6.7b", layers=32, hidden=4096, heads=32),
+    NeoxSpec("neox-13b", layers=40, hidden=5120, heads=40),
+    NeoxSpec("neox-20b", layers=44, hidden=6144, heads=64, rotary_pct=0.25, parallel_residual=True),
+)
 
 
 def hf_config(spec: NeoxSpec, attention: str = "sdpa") -> GPTNeoXConfig:
@@ -99,9 +152,7 @@ def save_hf_tokenizer(tokenizer: Path, out: Path, spec: NeoxSpec, eod_id: int | 
     The end-of-document token (``<|endoftext|>`` for GPT-NeoX) is BOS, EOS and UNK, as in GPT-NeoX-20B's
     own tokenizer; ``<|padding|>`` is the pad token when the vocabulary has it.
     """
-    from transformers import PreTrainedTokenizerFast
-
-    from data.gpt import load_tokenizer
+    from transformers import PreTrainedTokenizerFast  # on call (start-up time): only an export needs it
 
     tok, eod, eod_name = load_tokenizer(tokenizer)  # one line naming the file when it is unusable
     if eod_id is not None and eod != int(eod_id):
@@ -123,3 +174,63 @@ def save_hf_tokenizer(tokenizer: Path, out: Path, spec: NeoxSpec, eod_id: int | 
     if pad is not None:
         ids["pad_token_id"] = hf.pad_token_id
     return ids
+
+
+def save_tokenizer(tokenizer: Path, out: Path, spec: NeoxSpec, data_attrs: dict[str, Any]) -> dict[str, int]:
+    """The record's tokenizer writer: the shards' end-of-document id from their attributes."""
+    return save_hf_tokenizer(tokenizer, out, spec, eod_id=data_attrs.get("eod_id"))
+
+
+# ---------------------------------------------------------------------------------------------- the record
+
+
+def param_role(name: str) -> ParamRole:
+    """``transformers``' names: ``embed_in`` looked up, ``embed_out`` (``lm_head``) the untied output embedding."""
+    if name.endswith("embed_in.weight"):
+        return "input_embedding"
+    if name.endswith(("embed_out.weight", "lm_head.weight")):
+        return "output_embedding"
+    return "layer"
+
+
+def compile_scope(model: NeoxPretraining) -> list[CompileTarget]:
+    """Each whole ``GPTNeoXLayer`` (fixed-length windows, causal SDPA)."""
+    return [(layer, "forward", layer.forward) for layer in model.hf.gpt_neox.layers]
+
+
+def _eval_pieces(out: Mapping[str, Any], n: float) -> dict[str, Any]:
+    return {"tokens": out["tokens"], "lm_loss_x_tokens": out["lm_loss"].double() * out["tokens"].double()}
+
+
+def _eval_metrics(total: Mapping[str, float]) -> dict[str, float]:
+    """The loss per token (every window has as many) and its perplexity."""
+    if total["tokens"] <= 0:
+        return {}
+    lm = total["lm_loss_x_tokens"] / total["tokens"]
+    return {"eval_loss": lm, "eval_perplexity": math.exp(min(lm, 50.0))}
+
+
+FAMILY = Family(
+    name="neox",
+    title="GPT-NeoX",
+    spec_class=NeoxSpec,
+    sizes=SIZES,
+    model=NeoxPretraining,
+    shard_kind="gpt",
+    hash_key="tokenizer_sha256",
+    tokenizer_file="tokenizer.json",
+    uses_max_pred=False,
+    unpads=False,
+    head_weights=lm_head_weights,
+    param_role=param_role,
+    compile_scope=compile_scope,
+    loss_parts=(),
+    evaluation=Evaluation(
+        sums=("tokens", "lm_loss_x_tokens"),
+        pieces=_eval_pieces,
+        metrics=_eval_metrics,
+        labels=(("eval_perplexity", "eval ppl"),),
+    ),
+    save_tokenizer=save_tokenizer,
+    hf_auto_class="AutoModelForCausalLM",
+)

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from data.loader import unpadding_index
+from model import attention as varlen  # its functions looked up on call: a test or benchmark may replace one
 
 UNPAD_KEYS = ("unpad_indices", "cu_seqlens", "max_seqlen")
 """Micro-batch keys of the unpadding (``data.loader.unpadding_index``)."""
@@ -151,12 +152,10 @@ def nested(x: torch.Tensor, pack: Packing) -> torch.Tensor:
 def default_kernel(device: torch.device | str, dtype: torch.dtype | None = None, head_dim: int | None = None) -> str:
     """``varlen`` on CPU, and on CUDA where the flash kernel runs for ``dtype`` and ``head_dim`` (both needed
     to tell); ``padded`` elsewhere (see the module docstring). ``device`` is a device or its type's name."""
-    from model.attention import flash_usable
-
     device = torch.device(device)
     if device.type == "cpu":
         return "varlen"
-    if dtype is not None and head_dim is not None and flash_usable(device, dtype, head_dim):
+    if dtype is not None and head_dim is not None and varlen.flash_usable(device, dtype, head_dim):
         return "varlen"
     return "padded"
 
@@ -168,15 +167,13 @@ def varlen_attention(
     shape. Scale ``head_dim ** -0.5``, bidirectional."""
     kernel = kernel or default_kernel(q.device, q.dtype, q.size(-1))
     if kernel == "varlen":
-        from model.attention import attention, flash_usable
-
-        if q.device.type != "cpu" and not flash_usable(q.device, q.dtype, q.size(-1)):
+        if q.device.type != "cpu" and not varlen.flash_usable(q.device, q.dtype, q.size(-1)):
             raise ValueError(
                 f"attention kernel varlen runs on the CPU, or on CUDA in BF16/FP16 on compute capability >= 8.0 "
                 f"with a head size <= 256 and a multiple of 8; not {q.device.type} {q.dtype} head size "
                 f"{q.size(-1)}: use padded"
             )
-        return attention(q, k, v, pack.cu_seqlens, pack.max_seqlen, dropout_p)
+        return varlen.attention(q, k, v, pack.cu_seqlens, pack.max_seqlen, dropout_p)
     if kernel == "jagged":
         nq, nk, nv = (nested(x.contiguous(), pack).transpose(1, 2) for x in (q, k, v))  # [B, heads, j, head_dim]
         return F.scaled_dot_product_attention(nq, nk, nv, dropout_p=dropout_p).transpose(1, 2).values()

@@ -336,8 +336,7 @@ def test_unpadded_bert_step_has_no_host_sync_on_the_gpu(bert_data, kernel):
     )
     it = iter(loader)
     batches = [to_device(next(it), torch.device("cuda")) for _ in range(4)]  # moved before the counting
-    model = build_model(get_spec("bert-debug", vocab_size=8000), unpad=True).cuda().train()
-    model.attention_kernel = kernel
+    model = build_model(get_spec("bert-debug", vocab_size=8000), unpad=True, unpad_kernel=kernel).cuda().train()
     feed = iter(batches)
 
     def step() -> None:

@@ -256,6 +256,28 @@ def test_every_size_has_its_family_record():
         FAMILIES["bert"].shard_kind = "gpt"
 
 
+def test_the_family_hook_and_the_unpad_question():
+    """``model.families``' hook refuses, in one line, a module it cannot import or one without a FAMILY record,
+    and a second record under a registered name; whether a run unpads is the record's answer to model.unpad."""
+    import dataclasses
+
+    from common.errors import UserError
+    from model.registry import FAMILIES, load_families, register
+
+    with pytest.raises(UserError, match="model.families: cannot import 'tests.no_such_family'"):
+        load_families(["tests.no_such_family"])
+    with pytest.raises(UserError, match="module 'common.errors' defines no FAMILY"):
+        load_families(["common.errors"])
+    load_families(["model.bert"])  # a registered record again: nothing changes
+    with pytest.raises(UserError, match="'bert' is already registered"):
+        register(dataclasses.replace(FAMILIES["bert"], title="another"))
+    bert, neox = FAMILIES["bert"], FAMILIES["neox"]
+    assert (bert.unpadded(True), bert.unpadded(False), neox.unpadded(True)) == (True, False, False)
+    assert build_model(get_spec("bert-debug"), device="meta", unpad=False).unpad is False
+    with pytest.raises(ValueError, match="do not unpad"):
+        neox.build(get_spec("neox-debug"), unpad=True)
+
+
 def test_head_rules():
     from model.registry import FAMILIES
 

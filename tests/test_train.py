@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -431,6 +432,54 @@ def test_neox_trains_and_reports_perplexity(gpt_data, tmp_path):
     assert summary["eval_perplexity"] < 4000  # better than uniform over the 4000-entry vocabulary
     first, last = losses(run_dir)[1], losses(run_dir)[6]
     assert last < first
+
+
+def test_a_family_from_outside_the_package_trains_evaluates_and_resumes(gpt_data, tmp_path):
+    """A third model family, defined only by tests/toyfamily.py (its record and model) and brought in through
+    model.families: it trains 2 steps and evaluates (its record's metric and logged loss part), resumes from the
+    step-2 checkpoint, and reports MFU from its record's FLOPs."""
+    run_dir = tmp_path / "run"
+    args = [
+        "--config",
+        "smoke",
+        "model.families=[tests.toyfamily]",
+        "model.name=toy-debug",
+        f"run.dir={run_dir}",
+        f"data.train={gpt_data['train']}",
+        f"data.eval={gpt_data['eval']}",
+        f"data.vocab={gpt_data['vocab']}",
+        "data.num_workers=0",
+        "optimizer.name=adamw",
+        "deepspeed.zero_stage=0",
+        "deepspeed.precision=fp32",
+        "train.steps=3",
+        "train.global_batch=4",
+        "train.micro_batch=4",
+        "train.eval_every=2",
+        "train.eval_samples=8",
+        "logging.every=1",
+        "logging.warmup_steps=0",
+        "checkpoint.every=2",
+        "train.deterministic=true",
+    ]
+    first = single([*args, "train.stop_at_step=2"])
+    assert first.returncode == 3, first.stderr[-3000:]  # saved at step 2, stopped there
+    second = single(args)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout + second.stderr
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    trained = [(r["attempt"], r["step"]) for r in records if "loss" in r]
+    assert trained == [(1, 1), (1, 2), (2, 3)]
+    assert all(r["lm_loss"] == pytest.approx(r["loss"]) for r in records if "loss" in r)  # its loss part
+    evaluated = [r for r in records if "eval_toy_perplexity" in r]
+    assert [r["step"] for r in evaluated] == [2, 3] and all("eval_perplexity" not in r for r in evaluated)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["family"] == "toy" and summary["model"] == "toy-debug" and summary["steps"] == 3
+    assert summary["eval_toy_perplexity"] == pytest.approx(math.exp(summary["eval_loss"]), rel=1e-9)
+    assert 0 < summary["mfu"] <= 1 and summary["flops_per_token"] > 0
+    straight = tmp_path / "straight"
+    assert single([*args, f"run.dir={straight}"]).returncode == 0
+    assert losses(run_dir) == losses(straight)  # the resume is exact
 
 
 @pytest.mark.cuda  # on the GPU tier too: 2 ranks sharing its one GPU

@@ -145,18 +145,20 @@ def test_unpadded_is_as_close_to_float64_as_padded(batch, pre_layernorm, checkpo
     spec = _spec(pre_layernorm)
     torch.manual_seed(0)
     model = build_model(spec, activation_checkpointing=checkpointing).train()
-    ref_model = copy.deepcopy(model).double()
-    ref_model.unpad = False
+    padded = build_model(spec, activation_checkpointing=checkpointing, unpad=False).train()
+    padded.load_state_dict(model.state_dict())  # the same weights, the padded forward
+    ref_model = copy.deepcopy(padded).double()
     loss64, grads64 = _run(ref_model, batch)
 
-    calls = []
-    dense = model.hf.bert.encoder.layer[0].intermediate.dense
-    hook = dense.register_forward_hook(lambda *_: calls.append(1))
-    model.unpad = False
-    loss_pad, grads_pad = _run(model, batch)
-    model.unpad = True
+    calls: list[int] = []
+    hooks = [
+        m.hf.bert.encoder.layer[0].intermediate.dense.register_forward_hook(lambda *_: calls.append(1))
+        for m in (padded, model)
+    ]
+    loss_pad, grads_pad = _run(padded, batch)
     loss_unpad, grads_unpad = _run(model, batch)
-    hook.remove()
+    for hook in hooks:
+        hook.remove()
     assert len(calls) == (4 if checkpointing else 2)  # checkpointing recomputes the layer in both paths
 
     assert abs(loss_unpad - loss64) <= 2 * max(abs(loss_pad - loss64), FP32_EPS * abs(loss64)), (
@@ -183,8 +185,9 @@ def test_unpadded_without_the_keys_and_with_each_kernel(batch):
     assert unpad.default_kernel(torch.device("cpu")) == "varlen"
     assert unpad.default_kernel(torch.device("cuda")) == "padded"  # flash unknown without a dtype and head size
     for kernel in unpad.KERNELS:
-        model.attention_kernel = kernel
-        loss_k, grads_k = _run(model, batch)
+        other = build_model(_spec(False), unpad=True, unpad_kernel=kernel).double().train()
+        other.load_state_dict(model.state_dict())
+        loss_k, grads_k = _run(other, batch)
         assert abs(loss_k - loss) < 1e-12 * abs(loss), kernel
         assert max(_errors(grads_k, grads).values()) < 1e-10, kernel
 

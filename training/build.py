@@ -123,8 +123,8 @@ def open_data(
     read_retry_s: float,
 ) -> RunData:
     """Open the shards the model family reads, checking them against ``data.*`` (sequence length,
-    vocabulary). With ``model.unpad`` the BERT micro-batches carry where their real tokens are, found on the
-    host (``data.loader.unpadding_index``)."""
+    vocabulary). When the run unpads (``Family.unpadded``: BERT with ``model.unpad``) the micro-batches carry
+    where their real tokens are, found on the host (``data.loader.unpadding_index``)."""
     from data.loader import EvalSet
 
     kind = family.shard_kind if data.kind == "auto" else data.kind
@@ -139,7 +139,7 @@ def open_data(
             raise UserError(f"data.vocab={data.vocab}: file does not exist")
         vocab_sha = sha256_file(data.vocab)  # the hash the shard writers store
         expect[family.hash_key] = vocab_sha
-    unpad = model.unpad and kind == "bert"
+    unpad = family.unpadded(model.unpad)
     read_retry = ReadRetry(data.read_retries, read_retry_s)  # training and evaluation reads alike
     loader = _open_loader(
         data, train, data.train, "data.train", kind, grad_accum, rank, world, expect, unpad, read_retry
@@ -218,6 +218,8 @@ def build_engine(
     from model.build import build_model
     from model.compile import compile_blocks
     from model.compile import wanted as compile_wanted
+    from model.registry import family_of
+    from model.unpad import default_kernel
     from training import collectives
     from training.optim.factory import attach_zero, build_optimizer, param_groups
     from training.optim.schedules import build_scheduler
@@ -225,28 +227,30 @@ def build_engine(
 
     log.info(f"building {spec.name} and its optimizer")
     seed_everything(train.seed)  # same initial weights on every rank
-    attention, ckpt = model_cfg.attention, model_cfg.activation_checkpointing
+    family = family_of(spec)
+    unpad = family.unpadded(model_cfg.unpad)  # decided here, given to the model at construction
+    unpad_kernel = None  # auto: the device's default
+    if unpad and model_cfg.unpad_attention != "auto":
+        unpad_kernel = {"loop": "varlen"}.get(model_cfg.unpad_attention, model_cfg.unpad_attention)
+    build: dict[str, Any] = {
+        "attention": model_cfg.attention,
+        "activation_checkpointing": model_cfg.activation_checkpointing,
+        "unpad": unpad,
+        "unpad_kernel": unpad_kernel,
+    }
     if ds_config["zero_optimization"]["stage"] == 3:  # each rank holds only its partition
-        model = build_partitioned(
-            spec, ds_config, attention=attention, activation_checkpointing=ckpt, unpad=model_cfg.unpad
-        )
+        model = build_partitioned(spec, ds_config, **build)
         held, whole = local_numel(model)
         log.info(f"built under zero.Init: this rank holds {held:,} of {whole:,} parameters")
     else:
-        model = build_model(spec, attention=attention, activation_checkpointing=ckpt, unpad=model_cfg.unpad)
-    from model.bert import BertPretraining
-
+        model = build_model(spec, **build)
     device = collectives.accelerator().device_name()
-    if isinstance(model, BertPretraining) and model.unpad:  # BERT on its real tokens (NeoX has no padding)
-        from model.unpad import default_kernel
-
-        if model_cfg.unpad_attention != "auto":
-            model.attention_kernel = {"loop": "varlen"}.get(model_cfg.unpad_attention, model_cfg.unpad_attention)
+    if unpad:
         dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
         if ds_config.get("fp16", {}).get("enabled"):
             dtype = torch.float16
-        kernel = model.attention_kernel or default_kernel(device, dtype, spec.hidden // spec.heads)
-        log.info(f"model.unpad: BERT computes its real tokens only, {kernel} attention kernel")
+        kernel = unpad_kernel or default_kernel(device, dtype, spec.hidden // spec.heads)
+        log.info(f"model.unpad: {family.title} computes its real tokens only, {kernel} attention kernel")
     if compile_wanted(model_cfg.compile, device):
         log.info(f"model.compile: compiling {compile_blocks(model)} transformer-block modules (dynamic shapes)")
     seed_everything(train.seed + 1000 * rank)  # rank-specific dropout streams

@@ -60,6 +60,11 @@ class ModelSection:
     """Override the size's dropout (BERT 0.1, GPT-NeoX 0.0)."""
     vocab_size: int | None = None
     """Override the vocabulary size; by default it is read from the data's vocabulary/tokenizer."""
+    families: list[str] = field(default_factory=list)
+    """Python modules (dotted names, importable from the working directory or PYTHONPATH) that each define a
+    model family as one ``FAMILY`` record (``model.family.Family``) with its sizes; loading the config registers
+    them (``model.registry.load_families``), so ``model.name`` may name one of their sizes. The built-in BERT and
+    GPT-NeoX need none."""
 
 
 @dataclass
@@ -412,6 +417,11 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     if cfg.checkpoint.mtbf_hours is None:
         cfg.checkpoint.mtbf_hours = node_mtbf_from_env()
     validate(cfg)
+    if cfg.model.families:
+        # on call (start-up time): the registry loads torch and transformers, which reading a config does not
+        from model.registry import load_families
+
+        load_families(cfg.model.families)
     return cfg
 
 

@@ -8,26 +8,30 @@ from pathlib import Path
 from typing import Any
 
 from common.log import get_logger
+from model.family import Family
 
 log = get_logger("train")
-
-LOSS_PARTS = ("mlm_loss", "nsp_loss")  # logged beside the total loss when the model returns them
-_EVAL_LABELS = (
-    ("eval_loss", "eval loss"),
-    ("eval_mlm_accuracy", "eval MLM acc"),
-    ("eval_nsp_accuracy", "eval NSP acc"),
-    ("eval_perplexity", "eval ppl"),
-)
 
 
 class Logbook:
     """Rank 0's record of a run. Every row carries ``attempt``: the steps a restart re-does stay visible."""
 
     def __init__(
-        self, run_dir: Path, rank: int, attempt: int, total_steps: int, monitor: Any = None, wandb_run: Any = None
+        self,
+        run_dir: Path,
+        rank: int,
+        attempt: int,
+        total_steps: int,
+        monitor: Any = None,
+        wandb_run: Any = None,
+        *,
+        family: Family,
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.rank, self.attempt, self.total_steps = rank, attempt, total_steps
+        # the console's loss parts and evaluation metrics: the model family's (its record)
+        self.loss_parts = family.loss_parts
+        self.eval_labels = (("eval_loss", "eval loss"), *family.evaluation.labels)
         self.monitor = monitor  # DeepSpeed's (TensorBoard), when enabled
         self.wandb_run = wandb_run  # rank 0's, when logging.wandb.project is set
 
@@ -50,7 +54,7 @@ class Logbook:
         parts = [f"step {record['step']}/{self.total_steps}"]
         if "loss" in record:
             parts.append(f"loss {record['loss']:.4f}")
-            parts += [f"{k.replace('_loss', '').upper()} {record[k]:.4f}" for k in LOSS_PARTS if k in record]
+            parts += [f"{k.replace('_loss', '').upper()} {record[k]:.4f}" for k in self.loss_parts if k in record]
             parts.append(f"lr {record['lr']:.3e}")
         if "sequences_per_sec" in record:
             parts += [
@@ -60,7 +64,7 @@ class Logbook:
             ]
             if record.get("mfu") is not None:
                 parts.append(f"MFU {100 * record['mfu']:.1f}%")
-        parts += [f"{label} {record[k]:.4f}" for k, label in _EVAL_LABELS if k in record]
+        parts += [f"{label} {record[k]:.4f}" for k, label in self.eval_labels if k in record]
         log.info(" | ".join(parts))
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ import torch
 
 from common.log import get_logger
 from model.compile import compile_stats
+from model.family import Family
 from model.flops import NO_WORK, Work, WorkCounter
 from training import collectives, events
 from training.checkpoint.checkpointer import Checkpointer, EventLog
@@ -40,7 +41,7 @@ from training.clock import Clock, peak_memory_bytes, synchronize
 from training.config import TrainSection
 from training.devices import out_of_memory, to_device
 from training.evaluate import evaluate
-from training.logbook import LOSS_PARTS, Logbook
+from training.logbook import Logbook
 from training.metrics import flops_per_sec_per_device, mfu, throughput
 from training.watch import DataWatchdog, StopRequest
 
@@ -68,9 +69,10 @@ class StepReduction:
     gone). ``carried``: ``n_carried`` numbers the trainer does not read, summed over the ranks (the
     checkpointer's ``flags()``: every rank learns at the same step what its background save's ranks report)."""
 
-    def __init__(self, device: torch.device, n_carried: int = 0) -> None:
+    def __init__(self, device: torch.device, n_carried: int = 0, loss_parts: Sequence[str] = ()) -> None:
         self.device = device
         self.n_carried = n_carried
+        self.loss_parts = loss_parts  # the model family's outputs summed beside the loss, where it returns them
         self.names: list[str] = []  # "loss" and the pieces the model returns, fixed at the first micro-batch
         self.host: torch.Tensor | None = None
         self.event: Any = None  # the accelerator's Event (DeepSpeed's abstraction: untyped)
@@ -83,7 +85,7 @@ class StepReduction:
 
     def name_pieces(self, out: dict[str, torch.Tensor]) -> list[str]:
         if not self.names:
-            self.names = ["loss", *(k for k in LOSS_PARTS if k in out)]
+            self.names = ["loss", *(k for k in self.loss_parts if k in out)]
             pinned = self.device.type == "cuda"
             size = len(self.names) + 1 + self.n_carried + self.n_counts
             self.host = torch.zeros(size, dtype=torch.float64, pin_memory=pinned)
@@ -152,6 +154,7 @@ class Trainer:
         peak_flops: float | None,
         clock: Clock,
         log_every: int,
+        family: Family,
         eval_set=None,
         data_watchdog: DataWatchdog | None = None,
     ) -> None:
@@ -160,6 +163,7 @@ class Trainer:
         self.checkpointer, self.logbook, self.log_every = checkpointer, logbook, log_every
         self.events_to = events_to
         self.data_watchdog = data_watchdog
+        self.family = family  # the model family's record: its logged loss parts and its evaluation
         self.world = collectives.world_size()
         self.state = TrainState()
         self.clock = clock  # the checkpointer's too: it pauses its saves out of the throughput window
@@ -266,7 +270,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         t0 = time.perf_counter()
         try:
-            result = evaluate(self.engine, self.eval_set, self.device)
+            result = evaluate(self.engine, self.eval_set, self.device, self.family.evaluation)
         except torch.OutOfMemoryError:
             raise out_of_memory(self.cfg.micro_batch, "evaluation") from None
         self.clock.eval_s += time.perf_counter() - t0
@@ -316,7 +320,9 @@ class Trainer:
         cfg, ckpt = self.cfg, self.checkpointer
         start_step = self.state.step
         warm_until = start_step + self.clock.warmup_steps
-        reduction = StepReduction(collectives.comm_device(), n_carried=len(ckpt.flags()))
+        reduction = StepReduction(
+            collectives.comm_device(), n_carried=len(ckpt.flags()), loss_parts=self.family.loss_parts
+        )
         self._base = (self.state.tokens, self.state.flops)
         stopped = ""
         t_loop = time.perf_counter()

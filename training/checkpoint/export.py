@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -136,6 +137,8 @@ def export_checkpoint(
     client = ckpt.read_client_state(ckpt_dir, tag)
     spec = spec_from_dict(client["model_spec"])
     family = family_of(spec)
+    if family.save_tokenizer is None:
+        raise UserError(f"{ckpt_dir / tag}: model family {family.name!r} has no Hugging Face export")
     tokenizer = _training_tokenizer(client, tokenizer, family.tokenizer_file)
 
     with refusing(ckpt_dir / tag):
@@ -149,7 +152,7 @@ def export_checkpoint(
             f"{ckpt_dir / tag}: state dict does not fit {spec.name} "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    hf = model.hf
+    hf: Any = model.hf  # the family's transformers model
     if getattr(spec, "pre_layernorm", False):
         hf.config._attn_implementation = "eager"  # the exported MegatronBert uses transformers' own attention
     with atomic_path(out) as tmp:

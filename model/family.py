@@ -1,0 +1,135 @@
+"""What a model family is: one ``Family`` record, and what every family module shares.
+
+A family module (``model.bert``, ``model.neox``, or one named by ``model.families``: the hook in
+``model.registry``) defines its spec dataclass, its pre-training model, and one record, ``FAMILY``, that
+everything else asks: the build and whether a run unpads, the compile scope, the FLOPs rule, evaluation and
+the logged outputs, the shard format and the Hugging Face export. This module imports no family, so the
+family modules and the registry that collects them form no circle.
+
+A spec is a frozen dataclass with at least ``name``, ``family`` (the record's name), ``layers``, ``hidden``,
+``heads``, ``ffn``, ``vocab_size``, ``max_positions``, ``dropout`` and the derived ``padded_vocab``; its fields
+are the architecture a resume checks (``training.checkpoint.resume.architecture``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def pad_vocab(size: int, multiple: int) -> int:
+    """Round a vocabulary size up to a multiple (tensor-core friendly shapes)."""
+    return ((size + multiple - 1) // multiple) * multiple
+
+
+def check_sizes(spec: Any) -> None:
+    """The checks every spec's ``__post_init__`` makes: positive sizes, whole heads, a dropout in [0, 1)."""
+    for field in ("layers", "hidden", "heads", "ffn", "vocab_size", "max_positions"):
+        if getattr(spec, field) <= 0:
+            raise ValueError(f"{spec.name}: {field} must be positive, got {getattr(spec, field)}")
+    if spec.hidden % spec.heads:
+        raise ValueError(f"{spec.name}: hidden {spec.hidden} is not divisible by heads {spec.heads}")
+    if not 0.0 <= spec.dropout < 1.0:
+        raise ValueError(f"{spec.name}: dropout must be in [0, 1), got {spec.dropout}")
+
+
+def lm_head_weights(pred_head: int, seq_head: int, max_pred: int | None) -> tuple[int, int]:
+    """Causal LM: the LM head at every token (per-sequence heads, if any, once per sequence)."""
+    return pred_head, seq_head
+
+
+HeadRule = Callable[[int, int, "int | None"], tuple[int, int]]
+
+ParamRole = Literal[
+    "input_embedding", "position_embedding", "output_embedding", "prediction_head", "sequence_head", "layer"
+]
+"""What a parameter is, for parameter counts and FLOPs (``model.build``, ``model.flops``). Embedding lookups
+(``input_embedding``, ``position_embedding``: token types too) cost no matmul; ``output_embedding`` and
+``prediction_head`` run per prediction, ``sequence_head`` once per sequence, ``layer`` at every token."""
+
+CompileTarget = tuple["nn.Module", str, Callable[..., Any]]
+"""(module, the attribute its compiled call replaces: ``forward``, or another the model calls, the eager
+callable compiled) (``model.compile``)."""
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """How a family's held-out evaluation adds its forward outputs up, over batches and ranks
+    (``training.evaluate``), and the metrics it reports. The row count ``n`` and the mean loss per row
+    (``eval_loss``) are every family's; these are the family's own."""
+
+    sums: tuple[str, ...]
+    """Names of the family's sums, in the order of the one all-reduce."""
+    pieces: Callable[[Mapping[str, Any], float], dict[str, Any]]
+    """(forward outputs, rows in the batch) -> this batch's addends, by name (a subset of ``sums``)."""
+    metrics: Callable[[Mapping[str, float]], dict[str, float]]
+    """Totals over every batch and rank (``n`` included) -> reported metrics; an ``eval_loss`` here replaces the
+    mean loss per row."""
+    labels: tuple[tuple[str, str], ...]
+    """(metric, its console label) for the metrics the console shows after ``eval_loss``."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between model families, in one record."""
+
+    name: str
+    """The value of ``spec.family``; stored in checkpoints and summaries."""
+    title: str
+    """The family's name in messages (``BERT``, ``GPT-NeoX``)."""
+    spec_class: type
+    """The spec dataclass of the family's sizes."""
+    sizes: tuple[Any, ...]
+    """The family's named sizes (``spec_class`` instances): ``model.name`` picks one (``python -m model list``)."""
+    model: Callable[..., nn.Module]
+    """The pre-training model: ``model(spec, attention)``; when the family ``unpads``, also keywords ``unpad``
+    and ``attention_kernel`` (the kernel over the packed tokens, None for the device's default). Built through
+    :meth:`build`, on the current default device."""
+    shard_kind: str
+    """The data layer's name of the shard format the family trains on (``data.h5format.SCHEMAS``)."""
+    hash_key: str
+    """Shard attribute holding the sha256 of the vocabulary / tokenizer file the shards were made with."""
+    tokenizer_file: str
+    """What the tokenizer file is (for messages): ``vocab.txt`` or ``tokenizer.json``."""
+    uses_max_pred: bool
+    """Shards and FLOPs depend on ``data.max_pred`` (MLM predictions per sequence)."""
+    unpads: bool
+    """Its model can compute only the real tokens of padded rows (``model.unpad``): :meth:`unpadded`."""
+    head_weights: HeadRule
+    """(per-prediction head weights, a tied decoder included; per-sequence head weights; max_pred) -> (head
+    weights every token is multiplied by, head weights multiplied once per sequence) (``model.flops``)."""
+    param_role: Callable[[str], ParamRole]
+    """A parameter's role (``ParamRole``) from its name in the pre-training model."""
+    compile_scope: Callable[[Any], list[CompileTarget]]
+    """(a built model of the family) -> what ``model.compile`` compiles in it, in place."""
+    loss_parts: tuple[str, ...]
+    """Forward outputs logged beside the total loss (each step's record, the console)."""
+    evaluation: Evaluation
+    """The held-out evaluation's sums and metrics."""
+    save_tokenizer: Callable[[Path, Path, Any, dict[str, Any]], dict[str, int]] | None = None
+    """(tokenizer file used in training, output dir, spec, shard attributes): write Hugging Face tokenizer
+    files that give the training ids; return special-token ids for the model config (``eos_token_id``...).
+    None: the family has no Hugging Face export."""
+    hf_auto_class: str | None = None
+    """The ``transformers`` auto class an exported directory loads with."""
+
+    def unpadded(self, setting: bool) -> bool:
+        """Whether a run computes only the real tokens: ``model.unpad`` (``setting``) where the family can. The
+        one place this is decided, before the model is built: the model, the loaders and the FLOPs counter are
+        given the answer."""
+        return self.unpads and setting
+
+    def build(
+        self, spec: Any, attention: str = "sdpa", unpad: bool = False, unpad_kernel: str | None = None
+    ) -> nn.Module:
+        """The family's pre-training model for ``spec`` (``unpad``: :meth:`unpadded`'s answer)."""
+        if self.unpads:
+            return self.model(spec, attention, unpad=unpad, attention_kernel=unpad_kernel)
+        if unpad:
+            raise ValueError(f"{self.title} models do not unpad (Family.unpadded)")
+        return self.model(spec, attention)
