@@ -165,12 +165,14 @@ def test_every_process_group_started_is_ended() -> None:
 
 
 def test_train_py_ends_its_group() -> None:
-    """train.py's path: ``engine.start`` is called by train.py's ``run`` alone, ``run`` by ``main`` inside a
-    ``try`` that ends the group in its ``finally``, and ``__main__`` leaves through ``exit_fast(main())``."""
+    """train.py's path: ``engine.start`` is called by train.py's ``prepare`` alone (``run``'s first call),
+    ``run`` by ``main`` inside a ``try`` that ends the group in its ``finally``, and ``__main__`` leaves through
+    ``exit_fast(main())``."""
     tree = ast.parse((REPO / "train.py").read_text())
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-    starts = [c for c in _calls(funcs["run"], {"start"}) if ast.unparse(c.func) == "ds_engine.start"]
-    assert len(starts) == 1, "train.py's run() starts the process group through ds_engine.start(cfg)"
+    starts = [c for c in _calls(funcs["prepare"], {"start"}) if ast.unparse(c.func) == "ds_engine.start"]
+    assert len(starts) == 1, "train.py's prepare() starts the process group through ds_engine.start(cfg)"
+    assert _calls(funcs["run"], {"prepare"}), "train.py's run() starts through prepare()"
     ended = [
         t
         for t in ast.walk(funcs["main"])

@@ -7,13 +7,17 @@ after the test."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import deepspeed.comm
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 import train
 from common.net import free_port
@@ -30,12 +34,18 @@ def world_of_one() -> Iterator[None]:
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
     sigterm = signal.getsignal(signal.SIGTERM)
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    pg_timeout = c10d.default_pg_timeout
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     try:
         yield
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            deepspeed.comm.destroy_process_group()  # DeepSpeed's cached groups with torch's
+        c10d.default_pg_timeout = pg_timeout
+        random.setstate(rng[0])
+        np.random.set_state(rng[1])
+        torch.set_rng_state(rng[2])
         os.environ.clear()
         os.environ.update(env)
         torch.set_num_threads(threads)

@@ -18,8 +18,18 @@ import torch
 from common.errors import UserError
 from common.log import get_logger
 from data.h5format import sha256_file
+from data.loader import EvalSet, PretrainingLoader
 from data.reads import ReadRetry
+from model.build import build_model
+from model.compile import compile_blocks
+from model.compile import wanted as compile_wanted
+from model.registry import family_of, get_spec, spec_to_dict
+from model.unpad import default_kernel
+from training import collectives
+from training.checkpoint.resume import RunIdentity
 from training.config import DataSection, ModelSection, OptimizerSection, ScheduleSection, TrainSection
+from training.optim.factory import attach_zero, build_optimizer, param_groups
+from training.optim.schedules import SCHEDULES, build_scheduler
 
 log = get_logger("train")
 
@@ -28,8 +38,6 @@ def check_run_dir(run_dir: Path) -> None:
     """At start-up, on every rank: ``run_dir`` can be created and written (rank 0 writes the config, metrics
     and summary there, every rank its replica digest). Otherwise every rank raises the same one-line error
     naming the first node that failed, before anything is built."""
-    from training import collectives
-
     problem = None
     probe = run_dir / f".probe-rank{collectives.rank()}"
     try:
@@ -86,10 +94,6 @@ def _open_loader(
     unpad: bool,
     read_retry: ReadRetry,
 ):
-    from deepspeed.accelerator import get_accelerator
-
-    from data.loader import PretrainingLoader
-
     if not path:
         raise UserError(f"{key} is not set: give a directory of HDF5 shards (python -m data bert|gpt)")
     if not Path(path).exists():
@@ -107,7 +111,7 @@ def _open_loader(
         expect=expect,
         require_manifest=data.require_manifest,
         unpad=unpad,
-        pin_memory=get_accelerator().device_name() == "cuda",  # pinned by the DataLoader's thread
+        pin_memory=collectives.accelerator().device_name() == "cuda",  # pinned by the DataLoader's thread
         read_retry=read_retry,
     )
 
@@ -125,8 +129,6 @@ def open_data(
     """Open the shards the model family reads, checking them against ``data.*`` (sequence length,
     vocabulary). When the run unpads (``Family.unpadded``: BERT with ``model.unpad``) the micro-batches carry
     where their real tokens are, found on the host (``data.loader.unpadding_index``)."""
-    from data.loader import EvalSet
-
     kind = family.shard_kind if data.kind == "auto" else data.kind
     if kind != family.shard_kind:
         raise UserError(f"data.kind={data.kind} does not fit model {model.name} ({family.name})")
@@ -167,8 +169,6 @@ def open_data(
 def model_spec(model: ModelSection, data: DataSection, shard_attrs: dict[str, Any]):
     """The named size with this run's vocabulary (``model.vocab_size``, else the shards') and dropout; refuses a
     sequence length beyond its positions."""
-    from model.registry import get_spec
-
     spec = get_spec(model.name, vocab_size=model.vocab_size or shard_attrs.get("vocab_size"), dropout=model.dropout)
     if spec.max_positions < data.seq_len:
         raise UserError(f"data.seq_len={data.seq_len} exceeds {spec.name}'s max_positions={spec.max_positions}")
@@ -178,11 +178,8 @@ def model_spec(model: ModelSection, data: DataSection, shard_attrs: dict[str, An
 def run_identity(
     spec, data: RunData, world: int, train: TrainSection, optimizer: OptimizerSection, resolved: dict[str, Any]
 ):
-    """The run's identity (``training.checkpoint.resume.RunIdentity``), built here once: every checkpoint records it and
-    a resume is checked against it."""
-    from model.registry import spec_to_dict
-    from training.checkpoint.resume import RunIdentity
-
+    """The run's identity (``training.checkpoint.resume.RunIdentity``), built here once: every checkpoint
+    records it and a resume is checked against it."""
     return RunIdentity(
         model_spec={**spec_to_dict(spec), "padded_vocab": spec.padded_vocab},
         vocab_sha256=data.vocab_sha256,
@@ -196,8 +193,6 @@ def run_identity(
 
 def schedule_kwargs(schedule: ScheduleSection, total_steps: int) -> dict:
     """The schedule section's fields that the chosen schedule function takes, plus the total steps."""
-    from training.optim.schedules import SCHEDULES
-
     fields = {**dataclasses.asdict(schedule), "total_steps": total_steps}
     accepted = inspect.signature(SCHEDULES[schedule.kind]).parameters
     return {k: v for k, v in fields.items() if k in accepted and k != "step"}
@@ -213,17 +208,9 @@ def build_engine(
     rank: int,
 ):
     """Model (same initial weights on every rank), optimizer, schedule and the DeepSpeed engine."""
-    import deepspeed
+    import deepspeed  # deferred: seconds to import, and after training.engine.start's quiet()
 
-    from model.build import build_model
-    from model.compile import compile_blocks
-    from model.compile import wanted as compile_wanted
-    from model.registry import family_of
-    from model.unpad import default_kernel
-    from training import collectives
-    from training.optim.factory import attach_zero, build_optimizer, param_groups
-    from training.optim.schedules import build_scheduler
-    from training.zero_init import build_partitioned, local_numel
+    from training.zero_init import build_partitioned, local_numel  # deferred: it imports DeepSpeed too
 
     log.info(f"building {spec.name} and its optimizer")
     seed_everything(train.seed)  # same initial weights on every rank

@@ -42,7 +42,12 @@ class Clock:
     eval_s: float = 0.0
     save_s: float = 0.0
     log_s: float = 0.0
+    loop_start: float | None = None  # perf_counter when the training loop began
     _open: float | None = None
+
+    def start_loop(self) -> float:
+        self.loop_start = time.perf_counter()
+        return self.loop_start
 
     @property
     def running(self) -> bool:

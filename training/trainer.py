@@ -325,7 +325,7 @@ class Trainer:
         )
         self._base = (self.state.tokens, self.state.flops)
         stopped = ""
-        t_loop = time.perf_counter()
+        t_loop = self.clock.start_loop()
         while self.state.step < cfg.steps:
             if not self.clock.running and self.state.step >= warm_until:
                 self.clock.open()
@@ -336,6 +336,7 @@ class Trainer:
                 synchronize()
                 self.first_step_s = time.perf_counter() - t_step
             step = self.state.step
+            # the checkpointer's part of the step: a due save comes before this step's evaluation and log
             settle = functools.partial(self._settle, reduction)  # read only if the checkpointer saves
             if not ckpt.after_step(step, reduction.step, reduction.carried, settle, self.progress):
                 stopped = "save_failed"  # every rank at this step; the checkpointer's close raises the line
@@ -411,7 +412,7 @@ class Trainer:
             if close_iter is not None:
                 close_iter()
             self._iter = None
-        for obj in (self.loader, self.eval_set):
+        for obj in (self.loader, self.eval_set, self.data_watchdog):
             close = getattr(obj, "close", None)
             if close is not None:
                 close()

@@ -107,6 +107,7 @@ class DataWatchdog:
         self.on_stall = on_stall or self._end_rank
         self._since: float | None = None  # time.monotonic() when the current wait began
         self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
 
     def begin(self) -> None:
         self._since = time.monotonic()
@@ -117,10 +118,14 @@ class DataWatchdog:
     def end(self) -> None:
         self._since = None
 
+    def close(self) -> None:
+        """Stop watching (the loop is over); the thread ends within one poll."""
+        self._since = None
+        self._closed.set()
+
     def _watch(self) -> None:
         poll = min(1.0, self.bound_s / 10)
-        while True:
-            time.sleep(poll)
+        while not self._closed.wait(poll):
             since = self._since
             if since is not None and time.monotonic() - since > self.bound_s:
                 self.on_stall(self.describe(time.monotonic() - since))

@@ -135,12 +135,12 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ when
     def _begin(self, start: int) -> None:
-        """The loop started after ``start``; ``auto`` saves first right after the warm-up, to measure the
-        cost (the step time it plans with is measured from the end of the first step: compilation apart)."""
+        """The loop started after ``start`` (at the clock's ``loop_start``); ``auto`` saves first right after the
+        warm-up, to measure the cost."""
         self._begun = True
         if self.cfg.every == "auto":
             self._auto_next = start + self.clock.warmup_steps + 1
-            self._auto_mark = (time.perf_counter(), start + 1)
+            self._auto_mark = (self.clock.loop_start or time.perf_counter(), start)
 
     def _due(self, step: int) -> bool:
         every = self.cfg.every
