@@ -16,19 +16,20 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import BertConfig, BertForPreTraining, MegatronBertConfig, MegatronBertForPreTraining
-from transformers.models.megatron_bert import modeling_megatron_bert as megatron
 
 from common.errors import UserError
 from data.tokenize_text import bert_tokenizer, check_bert_vocab
 from model import unpad as unpadding
 from model.family import CompileTarget, Evaluation, Family, ParamRole, check_sizes, pad_vocab
 from model.losses import IGNORE_INDEX, ChunkedLossHead
+
+if TYPE_CHECKING:
+    from transformers import BertConfig, BertForPreTraining, MegatronBertConfig, MegatronBertForPreTraining
 
 BERT_VOCAB = 30522  # BERT uncased WordPiece vocabulary
 
@@ -69,7 +70,13 @@ SIZES = (
 )
 
 
+# ``transformers``' model classes are imported on call: they take about 5 s to load, and the registry (every
+# start-up, ``python -m model list``, FLOPs for a report) imports this module without building a model.
+
+
 def hf_config(spec: BertSpec, attention: str = "sdpa") -> BertConfig | MegatronBertConfig:
+    from transformers import BertConfig, MegatronBertConfig  # on call: start-up time (above)
+
     cls = MegatronBertConfig if spec.pre_layernorm else BertConfig
     return cls(
         vocab_size=spec.padded_vocab,
@@ -86,46 +93,56 @@ def hf_config(spec: BertSpec, attention: str = "sdpa") -> BertConfig | MegatronB
     )
 
 
-class SdpaMegatronSelfAttention(megatron.MegatronBertSelfAttention):
-    """MegatronBert's self-attention through ``F.scaled_dot_product_attention`` (flash/efficient kernels).
+@functools.cache
+def sdpa_megatron_self_attention() -> type[nn.Module]:
+    """MegatronBert's self-attention through ``F.scaled_dot_product_attention`` (flash/efficient kernels): a
+    subclass of ``transformers``' (made on first use, start-up time above).
 
     ``transformers`` has no SDPA path for the pre-LN BERT; this keeps its parameters (query/key/value) and
     state-dict names, and replaces only the softmax(QK^T)V computation. Encoder-only: no KV cache.
     """
+    from transformers.models.megatron_bert import modeling_megatron_bert as megatron  # on call: start-up time
 
-    def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
-        b, s, _ = hidden_states.shape
-        shape = (b, s, self.num_attention_heads, self.attention_head_size)
-        q = self.query(hidden_states).view(shape).transpose(1, 2)
-        k = self.key(hidden_states).view(shape).transpose(1, 2)
-        v = self.value(hidden_states).view(shape).transpose(1, 2)
-        if attention_mask is not None and attention_mask.dtype != torch.bool:
-            attention_mask = attention_mask.to(q.dtype)
-        ctx = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, dropout_p=self.dropout.p if self.training else 0.0
-        )
-        return ctx.transpose(1, 2).reshape(b, s, self.all_head_size), None
+    class SdpaMegatronSelfAttention(megatron.MegatronBertSelfAttention):
+        def forward(self, hidden_states, attention_mask=None, *args, **kwargs):
+            b, s, _ = hidden_states.shape
+            shape = (b, s, self.num_attention_heads, self.attention_head_size)
+            q = self.query(hidden_states).view(shape).transpose(1, 2)
+            k = self.key(hidden_states).view(shape).transpose(1, 2)
+            v = self.value(hidden_states).view(shape).transpose(1, 2)
+            if attention_mask is not None and attention_mask.dtype != torch.bool:
+                attention_mask = attention_mask.to(q.dtype)
+            ctx = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attention_mask, dropout_p=self.dropout.p if self.training else 0.0
+            )
+            return ctx.transpose(1, 2).reshape(b, s, self.all_head_size), None
+
+    return SdpaMegatronSelfAttention
 
 
 def _use_sdpa_in_megatron(model: MegatronBertForPreTraining) -> None:
+    sdpa = sdpa_megatron_self_attention()
+    (eager,) = sdpa.__bases__
     for module in model.modules():
-        if type(module) is megatron.MegatronBertSelfAttention:
-            module.__class__ = SdpaMegatronSelfAttention
+        if type(module) is eager:
+            module.__class__ = sdpa
     # Masks are then built in SDPA form (boolean, or None when nothing is padded).
     model.config._attn_implementation = "sdpa"
 
 
 def build_hf_bert(spec: BertSpec, attention: str = "sdpa") -> BertForPreTraining | MegatronBertForPreTraining:
     """The ``transformers`` pre-training model for a spec (on the current default device)."""
+    from transformers import BertForPreTraining, MegatronBertForPreTraining  # on call: start-up time (above)
+
     config = hf_config(spec)
     if spec.pre_layernorm:
         config._attn_implementation = "eager"
-        model = MegatronBertForPreTraining(cast(MegatronBertConfig, config))
+        model = MegatronBertForPreTraining(cast("MegatronBertConfig", config))
         if attention == "sdpa":
             _use_sdpa_in_megatron(model)
         return model
     config._attn_implementation = attention
-    return BertForPreTraining(cast(BertConfig, config))
+    return BertForPreTraining(cast("BertConfig", config))
 
 
 def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:

@@ -21,16 +21,18 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from common.errors import UserError
 from data.gpt import load_tokenizer
 from model.family import CompileTarget, Evaluation, Family, ParamRole, check_sizes, lm_head_weights, pad_vocab
 from model.losses import CHUNK_TOKENS, ChunkedLossHead
+
+if TYPE_CHECKING:
+    from transformers import GPTNeoXConfig
 
 NEOX_VOCAB = 50432  # GPT-NeoX-20B's padded vocabulary (50277 tokens + padding)
 
@@ -79,7 +81,13 @@ SIZES = (
 )
 
 
+# ``transformers``' model classes are imported on call: they take seconds to load, and the registry (every
+# start-up, ``python -m model list``, FLOPs for a report) imports this module without building a model.
+
+
 def hf_config(spec: NeoxSpec, attention: str = "sdpa") -> GPTNeoXConfig:
+    from transformers import GPTNeoXConfig  # on call: start-up time (above)
+
     config = GPTNeoXConfig(
         vocab_size=spec.padded_vocab,
         hidden_size=spec.hidden,
@@ -110,6 +118,8 @@ class NeoxPretraining(nn.Module):
     family = "neox"
 
     def __init__(self, spec: NeoxSpec, attention: str = "sdpa", loss_chunk_tokens: int = CHUNK_TOKENS) -> None:
+        from transformers import GPTNeoXForCausalLM  # on call: start-up time (above hf_config)
+
         super().__init__()
         self.spec = spec
         self.attention = attention
