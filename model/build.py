@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from model.compile import compile_blocks
 from model.family import ParamRole
 from model.registry import REGISTRY, ModelSpec, family_of, get_spec
 
@@ -21,6 +22,7 @@ def build_model(
     activation_checkpointing: bool = False,
     unpad: bool = True,
     unpad_kernel: str | None = None,
+    compile: bool = False,
 ) -> nn.Module:
     """Construct the family's pre-training model (``Family.build``). ``device="meta"`` builds shapes only (any
     size, no memory).
@@ -28,6 +30,7 @@ def build_model(
     ``unpad``: ``model.unpad``, which the family's record turns into whether the model computes only the real
     tokens of its padded batches (``Family.unpadded``: BERT does; GPT-NeoX's packed windows have no padding);
     ``unpad_kernel``: then the attention kernel over the packed tokens (None: the device's default).
+    ``compile``: ``model.compile``, its transformer blocks compiled as it is built (``model.compile``).
     """
     if isinstance(spec, str):
         spec = get_spec(spec)
@@ -38,6 +41,8 @@ def build_model(
         # Non-reentrant checkpointing: works with ZeRO-3 parameter gathering and with frozen inputs.
         hf: Any = model.hf
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile:
+        compile_blocks(model)
     return model
 
 

@@ -70,10 +70,12 @@ def whole_layers(model: nn.Module) -> bool:
     return any(attribute != "forward" for _, attribute, _ in compile_scope(model))
 
 
-class _Fallback:
-    """Shared by one model's compiled modules: after the first compilation failure, all of them run eager."""
+class Compiled:
+    """What :func:`compile_blocks` did to one model: ``modules`` compiled, and ``failed`` (None, or the first
+    compilation failure, after which all of them run eager: they share this record)."""
 
-    def __init__(self) -> None:
+    def __init__(self, modules: int) -> None:
+        self.modules = modules
         self.failed: str | None = None
 
     def fail(self, error: BaseException) -> None:
@@ -84,7 +86,7 @@ class _Fallback:
             log.warning(f"model.compile: compiling a transformer block failed, running eager instead ({self.failed})")
 
 
-def _guarded(eager: Callable[..., Any], backend: Any, fallback: _Fallback) -> Callable[..., Any]:
+def _guarded(eager: Callable[..., Any], backend: Any, fallback: Compiled) -> Callable[..., Any]:
     compiled = torch.compile(eager, dynamic=True, backend=backend)
     errors = compile_errors()
 
@@ -99,15 +101,16 @@ def _guarded(eager: Callable[..., Any], backend: Any, fallback: _Fallback) -> Ca
     return forward
 
 
-def compile_blocks(model: nn.Module, backend: Any = "inductor") -> int:
-    """Compile ``model``'s transformer blocks in place (see the module docstring); the number of modules."""
-    fallback = _Fallback()
+def compile_blocks(model: nn.Module, backend: Any = "inductor") -> Compiled:
+    """Compile ``model``'s transformer blocks in place (see the module docstring), as part of building it
+    (``model.build.build_model``'s ``compile``): its blocks' calls are replaced, as ``transformers``' own
+    ``gradient_checkpointing_enable`` replaces its layers' calls; nothing is set on ``model`` itself."""
     targets = compile_scope(model)
+    compiled = Compiled(len(targets))
     for module, attribute, eager in targets:  # e.g. forward, or the packed_call model.unpad.encode makes
-        object.__setattr__(module, attribute, _guarded(eager, backend, fallback))
-    object.__setattr__(model, "compile_fallback", fallback)  # what a test or a report can read
+        object.__setattr__(module, attribute, _guarded(eager, backend, compiled))
     _COMPILED_HERE.append(len(targets))
-    return len(targets)
+    return compiled
 
 
 _COMPILED_HERE: list[int] = []  # modules per compile_blocks call in this process

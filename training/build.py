@@ -21,7 +21,7 @@ from data.h5format import sha256_file
 from data.loader import EvalSet, PretrainingLoader
 from data.reads import ReadRetry
 from model.build import build_model
-from model.compile import compile_blocks
+from model.compile import compiled_modules
 from model.compile import wanted as compile_wanted
 from model.registry import family_of, get_spec, spec_to_dict
 from model.unpad import default_kernel
@@ -216,6 +216,7 @@ def build_engine(
     seed_everything(train.seed)  # same initial weights on every rank
     family = family_of(spec)
     unpad = family.unpadded(model_cfg.unpad)  # decided here, given to the model at construction
+    device = collectives.accelerator().device_name()
     unpad_kernel = None  # auto: the device's default
     if unpad and model_cfg.unpad_attention != "auto":
         unpad_kernel = {"loop": "varlen"}.get(model_cfg.unpad_attention, model_cfg.unpad_attention)
@@ -224,6 +225,7 @@ def build_engine(
         "activation_checkpointing": model_cfg.activation_checkpointing,
         "unpad": unpad,
         "unpad_kernel": unpad_kernel,
+        "compile": compile_wanted(model_cfg.compile, device),
     }
     if ds_config["zero_optimization"]["stage"] == 3:  # each rank holds only its partition
         model = build_partitioned(spec, ds_config, **build)
@@ -231,15 +233,14 @@ def build_engine(
         log.info(f"built under zero.Init: this rank holds {held:,} of {whole:,} parameters")
     else:
         model = build_model(spec, **build)
-    device = collectives.accelerator().device_name()
     if unpad:
         dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
         if ds_config.get("fp16", {}).get("enabled"):
             dtype = torch.float16
         kernel = unpad_kernel or default_kernel(device, dtype, spec.hidden // spec.heads)
         log.info(f"model.unpad: {family.title} computes its real tokens only, {kernel} attention kernel")
-    if compile_wanted(model_cfg.compile, device):
-        log.info(f"model.compile: compiling {compile_blocks(model)} transformer-block modules (dynamic shapes)")
+    if build["compile"]:
+        log.info(f"model.compile: {len(compiled_modules(model))} transformer-block modules compiled (dynamic shapes)")
     seed_everything(train.seed + 1000 * rank)  # rank-specific dropout streams
     optimizer = build_optimizer(
         opt.name,
