@@ -8,6 +8,7 @@ python train.py --config X --print-config # resolved config and the generated De
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -153,7 +154,7 @@ def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir:
             events_to.attempt,
             cfg.train.steps,
             engine.monitor,
-            wandb_run=start_wandb(cfg, run_dir, resolved) if rank == 0 else None,
+            wandb=functools.partial(start_wandb, cfg, run_dir, resolved) if cfg.logging.wandb.project else None,
             family=family,
         ),
         events_to=events_to,
@@ -295,14 +296,10 @@ def _threads() -> int:
 
 
 def start_wandb(cfg: Config, run_dir: Path, resolved: dict):
-    """A wandb run on rank 0 when ``logging.wandb.project`` is set (wandb is an optional extra)."""
+    """A wandb run (``logging.wandb``; rank 0's ``Logbook`` starts it as the loop starts)."""
     w = cfg.logging.wandb
-    if not w.project:
-        return None
-    try:
-        import wandb
-    except ImportError:
-        raise UserError("logging.wandb.project is set but wandb is not installed: pip install wandb") from None
+    import wandb  # on call: an optional extra (training.engine.check_setup refuses a run without it)
+
     return wandb.init(
         project=w.project, entity=w.entity, name=w.name or cfg.run.name, mode=w.mode, config=resolved, dir=str(run_dir)
     )

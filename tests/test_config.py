@@ -152,6 +152,20 @@ def test_nccl_without_cuda_is_one_line():
     assert "Traceback" not in out.stderr
 
 
+def test_wandb_set_but_not_installed_is_refused_before_anything_starts(monkeypatch):
+    """``logging.wandb.project`` without the wandb extra: the set-up check (every rank, before the process group)
+    refuses it in one line. The package is hidden from this process as an uninstalled one is."""
+    import sys
+
+    from training.engine import check_setup
+
+    cfg = load_config("smoke", ["logging.wandb.project=p"])
+    monkeypatch.setitem(sys.modules, "wandb", None)  # what importlib finds for a package that is not there
+    with pytest.raises(UserError, match="logging.wandb.project is set but wandb is not installed"):
+        check_setup(cfg)
+    check_setup(load_config("smoke", []))  # without the key, nothing is asked of wandb
+
+
 def _field_docstrings(source: str) -> dict[str, dict[str, str | None]]:
     """Per dataclass in ``source``: each annotated field and the string literal right after it (None when
     there is none)."""

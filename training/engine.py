@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import logging
 import os
 import time
@@ -40,6 +41,8 @@ def backend_for(section: DeepSpeedSection) -> str:
 def check_setup(cfg: Config) -> None:
     """Refuse, in one line, what cannot run on this machine, before any process group exists."""
     get_spec(cfg.model.name)
+    if cfg.logging.wandb.project and importlib.util.find_spec("wandb") is None:
+        raise UserError("logging.wandb.project is set but wandb is not installed: pip install wandb")
     ds = cfg.deepspeed
     if ds.precision == "fp16" and not on_accelerator():
         raise UserError("deepspeed.precision=fp16 needs a GPU; on CPU use deepspeed.precision=bf16 or fp32")

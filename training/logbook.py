@@ -4,6 +4,7 @@ TensorBoard, written by rank 0 alone."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ class Logbook:
         attempt: int,
         total_steps: int,
         monitor: Any = None,
-        wandb_run: Any = None,
+        wandb: Callable[[], Any] | None = None,
         *,
         family: Family,
     ) -> None:
@@ -33,7 +34,14 @@ class Logbook:
         self.loss_parts = family.loss_parts
         self.eval_labels = (("eval_loss", "eval loss"), *family.evaluation.labels)
         self.monitor = monitor  # DeepSpeed's (TensorBoard), when enabled
-        self.wandb_run = wandb_run  # rank 0's, when logging.wandb.project is set
+        self.start_wandb = wandb  # rank 0's, when logging.wandb.project is set: started by open()
+        self.wandb_run: Any = None
+
+    def open(self) -> None:
+        """Start wandb (rank 0's, when set) as the loop starts: after the resume, so a refused start creates no
+        wandb run, and outside both the start-up time and the steps' time."""
+        if self.rank == 0 and self.start_wandb is not None and self.wandb_run is None:
+            self.wandb_run = self.start_wandb()
 
     def write(self, record: dict[str, Any]) -> None:
         if self.rank != 0:
