@@ -44,8 +44,9 @@ import torch
 
 from common.bytecount import ByteCounter, op_class
 from data.loader import unpadding_index
+from model.bert import BertSpec
 from model.build import build_model
-from model.registry import BertSpec, get_spec
+from model.registry import get_spec
 from model.unpad import KERNELS
 from training.optim.zero_map import GroupLayout
 

@@ -16,23 +16,16 @@ from typing import Any
 
 from common.errors import UserError
 from model import bert, neox
-from model.bert import BERT_VOCAB, BertSpec
-from model.family import Family, pad_vocab
-from model.neox import NEOX_VOCAB, NeoxSpec
+from model.family import Family
 
 __all__ = [
-    "BERT_VOCAB",
     "FAMILIES",
-    "NEOX_VOCAB",
     "REGISTRY",
-    "BertSpec",
     "Family",
     "ModelSpec",
-    "NeoxSpec",
     "family_of",
     "get_spec",
     "load_families",
-    "pad_vocab",
     "register",
     "spec_from_dict",
     "spec_to_dict",

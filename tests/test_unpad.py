@@ -12,9 +12,10 @@ from torch.utils.checkpoint import checkpoint
 
 from data.loader import PretrainingLoader, _unpack, unpadding_index
 from model import unpad
+from model.bert import BertSpec
 from model.build import build_model
 from model.flops import _layer_and_head_params, training_flops_of_lengths, training_flops_per_token
-from model.registry import BertSpec, get_spec
+from model.registry import get_spec
 from tests.conftest import data_bert, run_python
 
 BATCH_KEYS = {
