@@ -311,6 +311,10 @@ def compile_scope(model: BertPretraining) -> list[CompileTarget]:
     return out
 
 
+def transformers_model(model: BertPretraining) -> Any:
+    return model.hf
+
+
 def _eval_pieces(out: Mapping[str, Any], n: float) -> dict[str, Any]:
     return {
         "mlm_loss_x_n": out["mlm_loss"].double() * n,
@@ -351,6 +355,7 @@ FAMILY = Family(
         metrics=_eval_metrics,
         labels=(("eval_mlm_accuracy", "eval MLM acc"), ("eval_nsp_accuracy", "eval NSP acc")),
     ),
+    transformers_model=transformers_model,
     save_tokenizer=save_tokenizer,
     hf_auto_class="AutoModelForPreTraining",
 )

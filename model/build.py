@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.errors import UserError
 from model.compile import compile_blocks
 from model.family import ParamRole
 from model.registry import REGISTRY, ModelSpec, family_of, get_spec
@@ -38,12 +39,26 @@ def build_model(
     with torch.device(device):
         model = family.build(spec, attention, unpad=family.unpadded(unpad), unpad_kernel=unpad_kernel)
     if activation_checkpointing:
+        if family.transformers_model is None:
+            raise UserError(f"model.activation_checkpointing: {family.title} models have no transformers model")
         # Non-reentrant checkpointing: works with ZeRO-3 parameter gathering and with frozen inputs.
-        hf: Any = model.hf
+        hf: Any = family.transformers_model(model)
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if compile:
         compile_blocks(model)
     return model
+
+
+def tied_names(model: nn.Module) -> list[str]:
+    """Names of parameters that are another name of an earlier one (tied weights: BERT's MLM decoder is its word
+    embeddings): a state dict may hold such a weight once."""
+    seen: set[int] = set()
+    out = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            out.append(name)
+        seen.add(id(p))
+    return out
 
 
 def parameter_breakdown(model: nn.Module, role: Callable[[str], ParamRole]) -> dict[str, int]:

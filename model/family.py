@@ -111,10 +111,15 @@ class Family:
     """Forward outputs logged beside the total loss (each step's record, the console)."""
     evaluation: Evaluation
     """The held-out evaluation's sums and metrics."""
+    transformers_model: Callable[[Any], Any] | None = None
+    """(a built model of the family) -> the ``transformers`` ``PreTrainedModel`` inside it, through which
+    activation checkpointing is enabled (``gradient_checkpointing_enable``), ZeRO-3 initialises the partitioned
+    weights and the Hugging Face export saves. None: a model of the family's own, which then has none of the
+    three (each refused in one line)."""
     save_tokenizer: Callable[[Path, Path, Any, dict[str, Any]], dict[str, int]] | None = None
     """(tokenizer file used in training, output dir, spec, shard attributes): write Hugging Face tokenizer
     files that give the training ids; return special-token ids for the model config (``eos_token_id``...).
-    None: the family has no Hugging Face export."""
+    None: the family has no Hugging Face export (it needs ``transformers_model`` too)."""
     hf_auto_class: str | None = None
     """The ``transformers`` auto class an exported directory loads with."""
 

@@ -208,6 +208,10 @@ def compile_scope(model: NeoxPretraining) -> list[CompileTarget]:
     return [(layer, "forward", layer.forward) for layer in model.hf.gpt_neox.layers]
 
 
+def transformers_model(model: NeoxPretraining) -> Any:
+    return model.hf
+
+
 def _eval_pieces(out: Mapping[str, Any], n: float) -> dict[str, Any]:
     return {"tokens": out["tokens"], "lm_loss_x_tokens": out["lm_loss"].double() * out["tokens"].double()}
 
@@ -241,6 +245,7 @@ FAMILY = Family(
         metrics=_eval_metrics,
         labels=(("eval_perplexity", "eval ppl"),),
     ),
+    transformers_model=transformers_model,
     save_tokenizer=save_tokenizer,
     hf_auto_class="AutoModelForCausalLM",
 )

@@ -278,6 +278,22 @@ def test_the_family_hook_and_the_unpad_question():
         neox.build(get_spec("neox-debug"), unpad=True)
 
 
+def test_a_family_without_a_transformers_model_refuses_what_needs_one():
+    """The toy family (tests/toyfamily.py) names no transformers model: activation checkpointing is refused in
+    one line naming the key."""
+    from common.errors import UserError
+    from model.registry import FAMILIES, REGISTRY, load_families
+
+    load_families(["tests.toyfamily"])
+    try:
+        assert build_model("toy-debug", device="meta").spec.family == "toy"
+        with pytest.raises(UserError, match="^model.activation_checkpointing: Toy models have no transformers model"):
+            build_model("toy-debug", device="meta", activation_checkpointing=True)
+    finally:  # the rest of the session sees the built-in families only
+        FAMILIES.pop("toy")
+        REGISTRY.pop("toy-debug")
+
+
 def test_head_rules():
     from model.registry import FAMILIES
 

@@ -29,16 +29,22 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.initialization import guard_torch_init_functions, no_init_weights
 
+from common.errors import UserError
 from model.build import build_model
+from model.registry import family_of
 from training import collectives
 
 
 def build_partitioned(spec: Any, ds_config: dict[str, Any], **build_kwargs: Any) -> nn.Module:
-    """Build ``spec`` under ``deepspeed.zero.Init`` (with this run's DeepSpeed config) and initialise it."""
+    """Build ``spec`` under ``deepspeed.zero.Init`` (with this run's DeepSpeed config) and initialise it with
+    its ``transformers`` model's own initialisation (``Family.transformers_model``)."""
+    family = family_of(spec)
+    if family.transformers_model is None:
+        raise UserError(f"deepspeed.zero_stage=3: {family.title} models have no transformers model to initialise")
     with large_blocks_returned():
         with no_init_weights(), _arange_keeps_its_dtype(), deepspeed.zero.Init(config_dict_or_path=ds_config):
             model = build_model(spec, **build_kwargs)
-        hf: Any = getattr(model, "hf", model)
+        hf: Any = family.transformers_model(model)
         initialise_gathered(hf)
         hf.tie_weights()
     return model

@@ -21,7 +21,7 @@ import torch
 from common.atomic import atomic_path
 from common.errors import UserError
 from data.h5format import sha256_file
-from model.build import build_model
+from model.build import build_model, tied_names
 from model.registry import family_of, spec_from_dict
 from training.checkpoint import storage as ckpt
 from training.checkpoint.safeload import refusing, restricted
@@ -137,24 +137,23 @@ def export_checkpoint(
     client = ckpt.read_client_state(ckpt_dir, tag)
     spec = spec_from_dict(client["model_spec"])
     family = family_of(spec)
-    if family.save_tokenizer is None:
+    if family.save_tokenizer is None or family.transformers_model is None:
         raise UserError(f"{ckpt_dir / tag}: model family {family.name!r} has no Hugging Face export")
     tokenizer = _training_tokenizer(client, tokenizer, family.tokenizer_file)
 
     with refusing(ckpt_dir / tag):
         state = consolidated_state(ckpt_dir, tag)
-    model = build_model(spec)
+    # transformers' own eager attention: what a reader of the exported files runs (the name is not saved)
+    model = build_model(spec, attention="eager")
     missing, unexpected = model.load_state_dict(state, strict=False)
     # Tied weights (BERT's decoder = word embeddings) may be stored once; everything else must match.
-    missing = [k for k in missing if not k.endswith("predictions.decoder.weight")]
+    missing = sorted(set(missing) - set(tied_names(model)))
     if missing or unexpected:
         raise UserError(
             f"{ckpt_dir / tag}: state dict does not fit {spec.name} "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    hf: Any = model.hf  # the family's transformers model
-    if getattr(spec, "pre_layernorm", False):
-        hf.config._attn_implementation = "eager"  # the exported MegatronBert uses transformers' own attention
+    hf: Any = family.transformers_model(model)
     with atomic_path(out) as tmp:
         tmp.mkdir()
         special_ids = family.save_tokenizer(tokenizer, tmp, spec, client.get("data_attrs", {}))
