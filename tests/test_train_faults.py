@@ -208,7 +208,10 @@ def stalled_loader_job(data, run_dir: Path, port: int) -> Stalled:
         "train.steps=100000",
         f"deepspeed.timeout_s={STALL_TIMEOUT_S}",
         "data.num_workers=1",
-        "data.prefetch=1",  # one transfer (512 rows) queued ahead: the stall shows a few dozen steps later
+        "data.prefetch=1",  # one transfer (512 rows) queued ahead: the stall shows a few dozen steps later ...
+        "train.global_batch=64",  # ... fewer at 32 rows a step per rank (the same rows to compute, fewer steps)
+        "train.micro_batch=32",
+        "deepspeed.precision=fp32",  # a CPU without native BF16 emulates it: the rows drain faster in FP32
         "train.eval_every=0",
         "checkpoint.every=0",
     )
