@@ -27,10 +27,18 @@ import psutil
 import pytest
 
 from tests.conftest import REPO, TwoAtATime, launcher, module_tests, run_env
-from tests.test_train import common, deepspeed, losses
+from tests.conftest import common as bf16_common
+from tests.test_train import deepspeed, losses
 from training import events
 
 pytestmark = pytest.mark.slow
+
+
+def common(data, run_dir: Path, *extra: str) -> list[str]:
+    """The suite's 8-step arguments (``tests.conftest.common``) in FP32: these jobs are about faults, not BF16
+    arithmetic, which a CPU without native BF16 emulates, several times slower (the straight run and the resume
+    tests of tests/test_train.py keep BF16)."""
+    return bf16_common(data, run_dir, "deepspeed.precision=fp32", *extra)
 
 
 def launcher_and_ranks(proc: subprocess.Popen) -> tuple[list[psutil.Process], list[psutil.Process]]:
@@ -211,7 +219,6 @@ def stalled_loader_job(data, run_dir: Path, port: int) -> Stalled:
         "data.prefetch=1",  # one transfer (512 rows) queued ahead: the stall shows a few dozen steps later ...
         "train.global_batch=64",  # ... fewer at 32 rows a step per rank (the same rows to compute, fewer steps)
         "train.micro_batch=32",
-        "deepspeed.precision=fp32",  # a CPU without native BF16 emulates it: the rows drain faster in FP32
         "train.eval_every=0",
         "checkpoint.every=0",
     )
