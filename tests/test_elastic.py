@@ -22,7 +22,8 @@ from training import events, metrics
 
 def elastic(run_dir: Path, data, *extra: str, restarts: int = 2, nodes: str = "1") -> list[str]:
     """The arguments of ``python`` that start ``launch elastic`` of the smoke recipe on ``data``, writing to
-    ``run_dir``."""
+    ``run_dir``; in FP32 (the agent's ways of ending a job are not about BF16 arithmetic, which a CPU without
+    native BF16 emulates, several times slower)."""
     return [
         "-m",
         "launch",
@@ -46,6 +47,7 @@ def elastic(run_dir: Path, data, *extra: str, restarts: int = 2, nodes: str = "1
             "train.eval_samples=16",
             "checkpoint.every=2",
             "deepspeed.zero_stage=2",
+            "deepspeed.precision=fp32",
             *extra,
         ),
     ]
