@@ -595,6 +595,7 @@ def test_sweep_of_train_py_reports_measured_efficiency(bert_data, tmp_path):
         f"data: {{train: {bert_data['train']}, eval: {bert_data['eval']}, vocab: {bert_data['vocab']}}}\n"
         "train: {global_batch: 16, micro_batch: 4, eval_every: 3, eval_samples: 32}\n"
         "checkpoint: {every: 3}\nlogging: {every: 1}\n"
+        "deepspeed: {precision: fp32}\n"  # the sweep's machinery, not BF16 (which this CPU may emulate, slowly)
     )
     runs, png = tmp_path / "runs", tmp_path / "scaling.png"
     res = run_python(
