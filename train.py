@@ -43,6 +43,7 @@ def run(cfg: Config) -> int:
         return 0
     trainer = start.trainer
     try:
+        trainer.logbook.open()  # wandb, after the resume: part of the start-up time
         startup_s = announce(cfg, start.facts, start.ds_config, trainer, start.point)
         perf = trainer.train()
         report(start.facts, trainer, perf, startup_s)

@@ -117,7 +117,15 @@ def sdpa_megatron_self_attention() -> type[nn.Module]:
             )
             return ctx.transpose(1, 2).reshape(b, s, self.all_head_size), None
 
+    SdpaMegatronSelfAttention.__qualname__ = SdpaMegatronSelfAttention.__name__  # pickled by reference: below
     return SdpaMegatronSelfAttention
+
+
+def __getattr__(name: str) -> Any:
+    """``model.bert.SdpaMegatronSelfAttention``, made on first use (what pickle looks the class up by)."""
+    if name == "SdpaMegatronSelfAttention":
+        return sdpa_megatron_self_attention()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _use_sdpa_in_megatron(model: MegatronBertForPreTraining) -> None:

@@ -325,7 +325,6 @@ class Trainer:
         )
         self._base = (self.state.tokens, self.state.flops)
         stopped = ""
-        self.logbook.open()
         t_loop = self.clock.start_loop()
         while self.state.step < cfg.steps:
             if not self.clock.running and self.state.step >= warm_until:

@@ -143,7 +143,8 @@ def export_checkpoint(
 
     with refusing(ckpt_dir / tag):
         state = consolidated_state(ckpt_dir, tag)
-    # transformers' own eager attention: what a reader of the exported files runs (the name is not saved)
+    # transformers' own eager attention for every family (MegatronBert has no other): which attention a model
+    # runs is not saved, so the exported files are the same either way
     model = build_model(spec, attention="eager")
     missing, unexpected = model.load_state_dict(state, strict=False)
     # Tied weights (BERT's decoder = word embeddings) may be stored once; everything else must match.
