@@ -31,13 +31,15 @@ from transformers.initialization import guard_torch_init_functions, no_init_weig
 
 from common.errors import UserError
 from model.build import build_model
-from model.registry import family_of
+from model.registry import family_of, get_spec
 from training import collectives
 
 
 def build_partitioned(spec: Any, ds_config: dict[str, Any], **build_kwargs: Any) -> nn.Module:
     """Build ``spec`` under ``deepspeed.zero.Init`` (with this run's DeepSpeed config) and initialise it with
     its ``transformers`` model's own initialisation (``Family.transformers_model``)."""
+    if isinstance(spec, str):
+        spec = get_spec(spec)
     family = family_of(spec)
     if family.transformers_model is None:
         raise UserError(f"deepspeed.zero_stage=3: {family.title} models have no transformers model to initialise")
