@@ -4,6 +4,7 @@ it."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import select
@@ -51,6 +52,70 @@ def launcher(ranks: int, port: int | None = None) -> list[str]:
         "--master_port",
         str(port),
     ]
+
+
+# Two workers: the README's test command runs the suite under pytest-xdist (``-n 2``). Much of it waits (on
+# start-ups, rendezvous, timeouts, a rank that hangs on purpose), so a second worker fills the idle core. A
+# worker runs whole modules (their module fixtures start work ahead, ``TwoAtATime``), the modules with time
+# bounds one after another on one worker (``SERIAL``), and the longest first (``FIRST``) so that both workers
+# end together. Without ``-n`` nothing here changes the run.
+SERIAL = ("tests/test_train_faults.py", "tests/test_train_twonode.py", "tests/test_launch_twonode.py")
+FIRST = ("timed", "tests/test_train.py", "tests/test_benchmarks.py", "tests/test_elastic.py", "tests/test_bundle.py")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker computes on one thread (OpenMP's): two share two cores
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _work_unit(nodeid: str) -> str:
+    """What one worker runs in one go: the test's module, or ``timed`` for the modules of ``SERIAL``."""
+    module = nodeid.split("::", 1)[0]
+    return "timed" if module in SERIAL else module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """With ``-n N`` (``--dist load``, xdist's default): work units of ``_work_unit``, in collection order."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # collection order: ``FIRST`` first
+    return ByModule(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under xdist, the units of ``FIRST`` ahead of the rest (a stable sort: each module's order is kept)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {unit: i for i, unit in enumerate(FIRST)}
+        items.sort(key=lambda item: rank.get(_work_unit(item.nodeid), len(FIRST)))
+
+
+_shared: list[Path] = []  # the folders ``built_once`` gave this process
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], Any]) -> Path:
+    """A session fixture's folder ``name``, filled by ``build(folder)`` once per run: under xdist by the first
+    worker that asks, in the run's temporary folder, the other waiting for it and reading the same files;
+    else in this session's. The tests read it and copy what they change."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    root = tmp_path_factory.getbasetemp().parent  # the workers' temporary folders are in it
+    folder, done = root / f"shared-{name}", root / f"shared-{name}.done"
+    with (root / f"shared-{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when ``build`` raises
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed left
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    _shared.append(folder)
+    return folder
 
 
 class _Popened:
@@ -288,7 +353,8 @@ def _checkpoints_within_the_allowlist(tmp_path_factory):
     from training.checkpoint.safeload import allowed_names
 
     allowed, checked, damaged, beyond = allowed_names(), 0, 0, []
-    for path in sorted(tmp_path_factory.getbasetemp().rglob("*.pt")):
+    roots = [tmp_path_factory.getbasetemp(), *dict.fromkeys(_shared)]  # and what ``built_once`` shared
+    for path in sorted(p for root in roots for p in root.rglob("*.pt")):
         if "doctored" in path.parts or not _is_checkpoint_file(path):
             continue
         try:
@@ -538,9 +604,10 @@ def wiki_text_dir(tmp_path_factory, sample_dump) -> Path:
     """The enwiki sample extracted once per session (2 worker processes, 4 shards) by ``data.wiki``."""
     from data.wiki import extract_dump
 
-    out = tmp_path_factory.mktemp("wikitext") / "text"
-    extract_dump([sample_dump], out, workers=2, shards=WIKI_FIXTURE_SHARDS)
-    return out
+    def build(root: Path) -> None:
+        extract_dump([sample_dump], root / "text", workers=2, shards=WIKI_FIXTURE_SHARDS)
+
+    return built_once(tmp_path_factory, "wikitext", build) / "text"
 
 
 @pytest.fixture(scope="session")
@@ -549,30 +616,30 @@ def wiki_vocab(tmp_path_factory, wiki_text_dir) -> Path:
     sample."""
     from data.vocab import train_wordpiece
 
-    return train_wordpiece(wiki_text_dir, tmp_path_factory.mktemp("vocab") / "vocab.txt", 8000)
+    root = built_once(tmp_path_factory, "vocab", lambda root: train_wordpiece(wiki_text_dir, root / "vocab.txt", 8000))
+    return root / "vocab.txt"
 
 
 @pytest.fixture(scope="session")
 def bert_data(tmp_path_factory, wiki_text_dir, wiki_vocab) -> dict[str, Path]:
     """BERT seq-128 shards of the enwiki sample: the first text shards for training, the last for eval."""
-    root = tmp_path_factory.mktemp("bertdata")
-    shards = sorted(Path(wiki_text_dir).glob("*.txt"))
-    assert len(shards) >= 2
-    train_text, eval_text = root / "text-train", root / "text-eval"
-    train_text.mkdir()
-    eval_text.mkdir()
-    for s in shards[:-1]:
-        (train_text / s.name).write_bytes(s.read_bytes())
-    (eval_text / shards[-1].name).write_bytes(shards[-1].read_bytes())
-    out = {"vocab": Path(wiki_vocab)}
-    for name, text, dupe in (("train", train_text, "2"), ("eval", eval_text, "1")):
-        res = run_python(
-            data_bert(text, wiki_vocab, root / name, "--seq-len", "128", "--max-pred", "20", "--dupe-factor", dupe),
-            timeout=600,
-        )
-        assert res.returncode == 0, res.stderr
-        out[name] = root / name
-    return out
+
+    def build(root: Path) -> None:
+        shards = sorted(Path(wiki_text_dir).glob("*.txt"))
+        assert len(shards) >= 2
+        train_text, eval_text = root / "text-train", root / "text-eval"
+        train_text.mkdir()
+        eval_text.mkdir()
+        for s in shards[:-1]:
+            (train_text / s.name).write_bytes(s.read_bytes())
+        (eval_text / shards[-1].name).write_bytes(shards[-1].read_bytes())
+        for name, text, dupe in (("train", train_text, "2"), ("eval", eval_text, "1")):
+            flags = ("--seq-len", "128", "--max-pred", "20", "--dupe-factor", dupe)
+            res = run_python(data_bert(text, wiki_vocab, root / name, *flags), timeout=600)
+            assert res.returncode == 0, res.stderr
+
+    root = built_once(tmp_path_factory, "bertdata", build)
+    return {"vocab": Path(wiki_vocab), "train": root / "train", "eval": root / "eval"}
 
 
 @pytest.fixture(scope="session")
@@ -580,7 +647,8 @@ def bpe(wiki_text_dir: Path, tmp_path_factory) -> Path:
     """A 2000-entry byte-level BPE ``tokenizer.json`` with ``<|endoftext|>``, built on the sample."""
     from data.vocab import train_bpe
 
-    return train_bpe(wiki_text_dir, tmp_path_factory.mktemp("bpe") / "tokenizer.json", 2000)
+    root = built_once(tmp_path_factory, "bpe", lambda root: train_bpe(wiki_text_dir, root / "tokenizer.json", 2000))
+    return root / "tokenizer.json"
 
 
 @pytest.fixture
@@ -649,10 +717,12 @@ def common(data: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
 def straight_run(bert_data, tmp_path_factory) -> Path:
     """The smoke recipe's 8 steps on 2 ranks (checkpoints at steps 4 and 8), run once: the tests that read it
     copy what they change."""
-    run_dir = tmp_path_factory.mktemp("straight") / "run"
-    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
-    res = deepspeed(common(bert_data, run_dir))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    shm_new = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - shm_before
-    (run_dir.parent / "shm_new.json").write_text(json.dumps(sorted(map(str, shm_new))))
-    return run_dir
+
+    def build(root: Path) -> None:
+        shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
+        res = deepspeed(common(bert_data, root / "run"))
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        shm_new = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) - shm_before
+        (root / "shm_new.json").write_text(json.dumps(sorted(map(str, shm_new))))
+
+    return built_once(tmp_path_factory, "straight", build) / "run"
