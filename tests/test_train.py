@@ -19,6 +19,10 @@ from data.loader import PretrainingLoader
 from tests.conftest import REPO, common, deepspeed, run_env, run_python
 from training import events
 
+# The runs below that are about saving, disks and logging, not BF16 arithmetic, train in FP32: a CPU without
+# native BF16 (AVX2) emulates it, several times slower (the straight run and the runs compared with it keep BF16).
+FP32 = "deepspeed.precision=fp32"
+
 pytestmark = pytest.mark.slow
 
 
@@ -167,7 +171,7 @@ def test_unpadded_and_padded_runs_train_the_same_model(bert_data, tmp_path):
 
     from model.unpad import default_kernel
 
-    same = ("deepspeed.precision=fp32", "model.dropout=0", "model.activation_checkpointing=true")
+    same = (FP32, "model.dropout=0", "model.activation_checkpointing=true")
     same += ("train.steps=6", "train.eval_every=0", "checkpoint.every=0", "logging.every=1")
     runs = {}
     eager = ("model.compile=false",)  # on by default on a GPU (this test runs in the GPU tier too)
@@ -242,12 +246,12 @@ def tmpfs(where: Path, options: str):
 
 
 def test_disk_full_during_a_save_fails_cleanly(bert_data, tmp_path):
-    """checkpoint.dir on a 32 MiB tmpfs: the step-4 checkpoint (about 21 MB) fits, the step-8 one does not.
+    """checkpoint.dir on a 32 MiB tmpfs: the step-4 checkpoint (about 25 MB in FP32) fits, the step-8 one does not.
     Every rank stops at once with one line saying the disk is full; the partial tag is gone, latest still
     names step 4, which loads: after the filesystem grows, the restart resumes from it and finishes."""
     with tmpfs(tmp_path / "ckpt", "size=32m") as ckpt:
         run_dir = tmp_path / "run"
-        args = common(bert_data, run_dir, f"checkpoint.dir={ckpt}", "train.eval_every=0")
+        args = common(bert_data, run_dir, f"checkpoint.dir={ckpt}", "train.eval_every=0", FP32)
         full = deepspeed(args)
         errors = [ln for ln in full.stderr.splitlines() if ln.startswith("error:")]
         assert full.returncode != 0 and len(errors) == 1, full.stderr[-3000:]
@@ -300,7 +304,7 @@ def test_async_save_commits_and_resumes_exactly(bert_data, straight_run, tmp_pat
 
 
 def test_async_save_that_fills_the_disk_fails_cleanly(bert_data, tmp_path):
-    """A background save that fails (checkpoint.dir on a 32 MiB tmpfs: step 4 fits, step 8 does not) stops
+    """A background save that fails (checkpoint.dir on a 32 MiB tmpfs: step 4, 25 MB, fits; step 8 does not) stops
     every rank with one line, at the latest when the next save (step 12) waits for it; nothing of step 8 is
     committed and latest names step 4."""
     with tmpfs(tmp_path / "ckpt", "size=32m") as ckpt:
@@ -312,6 +316,7 @@ def test_async_save_that_fills_the_disk_fails_cleanly(bert_data, tmp_path):
             "train.eval_every=0",
             "train.steps=16",
             "checkpoint.async_save=true",
+            FP32,
         )
         full = deepspeed(args)
         errors = [ln for ln in full.stderr.splitlines() if ln.startswith("error:")]
@@ -353,6 +358,7 @@ def test_wandb_offline(bert_data, tmp_path):
             "train.steps=3",
             "logging.wandb.project=wikipretrain-test",
             "model.unpad_attention=padded",
+            FP32,
         ),
         env=env,
     )
