@@ -25,7 +25,7 @@ from torch import nn
 from common.errors import UserError
 from data.tokenize_text import bert_tokenizer, check_bert_vocab
 from model import unpad as unpadding
-from model.family import CompileTarget, Evaluation, Family, ParamRole, check_sizes, pad_vocab
+from model.family import CompileTarget, Evaluation, Family, ParamRole, check_sizes, hf_inside, pad_vocab
 from model.losses import IGNORE_INDEX, ChunkedLossHead
 
 if TYPE_CHECKING:
@@ -319,10 +319,6 @@ def compile_scope(model: BertPretraining) -> list[CompileTarget]:
     return out
 
 
-def transformers_model(model: BertPretraining) -> Any:
-    return model.hf
-
-
 def _eval_pieces(out: Mapping[str, Any], n: float) -> dict[str, Any]:
     return {
         "mlm_loss_x_n": out["mlm_loss"].double() * n,
@@ -363,7 +359,7 @@ FAMILY = Family(
         metrics=_eval_metrics,
         labels=(("eval_mlm_accuracy", "eval MLM acc"), ("eval_nsp_accuracy", "eval NSP acc")),
     ),
-    transformers_model=transformers_model,
+    transformers_model=hf_inside,
     save_tokenizer=save_tokenizer,
     hf_auto_class="AutoModelForPreTraining",
 )

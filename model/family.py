@@ -57,6 +57,11 @@ CompileTarget = tuple["nn.Module", str, Callable[..., Any]]
 callable compiled) (``model.compile``)."""
 
 
+def hf_inside(model: Any) -> Any:
+    """``Family.transformers_model`` for a model that holds its ``transformers`` model as ``.hf``."""
+    return model.hf
+
+
 @dataclass(frozen=True)
 class Evaluation:
     """How a family's held-out evaluation adds its forward outputs up, over batches and ranks

@@ -28,7 +28,16 @@ from torch import nn
 
 from common.errors import UserError
 from data.gpt import load_tokenizer
-from model.family import CompileTarget, Evaluation, Family, ParamRole, check_sizes, lm_head_weights, pad_vocab
+from model.family import (
+    CompileTarget,
+    Evaluation,
+    Family,
+    ParamRole,
+    check_sizes,
+    hf_inside,
+    lm_head_weights,
+    pad_vocab,
+)
 from model.losses import CHUNK_TOKENS, ChunkedLossHead
 
 if TYPE_CHECKING:
@@ -208,10 +217,6 @@ def compile_scope(model: NeoxPretraining) -> list[CompileTarget]:
     return [(layer, "forward", layer.forward) for layer in model.hf.gpt_neox.layers]
 
 
-def transformers_model(model: NeoxPretraining) -> Any:
-    return model.hf
-
-
 def _eval_pieces(out: Mapping[str, Any], n: float) -> dict[str, Any]:
     return {"tokens": out["tokens"], "lm_loss_x_tokens": out["lm_loss"].double() * out["tokens"].double()}
 
@@ -245,7 +250,7 @@ FAMILY = Family(
         metrics=_eval_metrics,
         labels=(("eval_perplexity", "eval ppl"),),
     ),
-    transformers_model=transformers_model,
+    transformers_model=hf_inside,
     save_tokenizer=save_tokenizer,
     hf_auto_class="AutoModelForCausalLM",
 )
