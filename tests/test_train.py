@@ -202,8 +202,10 @@ def test_unpadded_and_padded_runs_train_the_same_model(bert_data, tmp_path):
     assert on["padding_fraction"] == off["padding_fraction"] == pytest.approx(1 - on["tokens"] / off["tokens"])
 
 
-def test_refuses_architecture_change(bert_data, straight_run):
-    res = deepspeed(common(bert_data, straight_run, "model.name=bert-10m", "train.steps=9"))
+def test_refuses_architecture_change(bert_data, straight_run, tmp_path):
+    run_dir = tmp_path / "run"  # a copy: the refused start writes its probes and event into the run directory
+    shutil.copytree(straight_run, run_dir)
+    res = deepspeed(common(bert_data, run_dir, "model.name=bert-10m", "train.steps=9"))
     assert res.returncode != 0
     assert "checkpoint has model layers=2 but this run has layers=4; refusing to resume" in res.stderr
 
