@@ -6,7 +6,8 @@ Each test's job (``JOBS``) mostly waits: on the launcher's interpreters starting
 the selected tests start with the module's first test, two at a time (the ``jobs`` fixture), each on a port of
 its own; each test then checks its job's record and runs what follows (a resume) itself. The timed jobs (a hung
 rank, a stalled loader, kill -9) start first and their tests come first, so that only the job beside runs
-with them: their bounds leave seconds of slack for it.
+with them, and the other pytest worker's tests (the README's ``-n 2``; ``tests/conftest.py`` keeps the other
+timed modules off it): their bounds leave seconds of slack for both.
 """
 
 from __future__ import annotations
@@ -247,8 +248,8 @@ def stalled_loader_job(data, run_dir: Path, port: int) -> Stalled:
 NO_TIME_TO_SAVE = ("checkpoint.every=2", "checkpoint.preempt_grace_s=0.001")
 
 # Each test's job, given the session's BERT data, the job's run directory and its MASTER_PORT; in the order
-# they start. The timed ones come first, while the tests wait for them, with nothing else running but the
-# job beside (the tests that resume a job run theirs later).
+# they start. The timed ones come first, while the tests wait for them, with nothing of this module running but
+# the job beside (the tests that resume a job run theirs later).
 JOBS: dict[str, Callable[[dict, Path, int], Any]] = {
     "test_a_hung_rank_ends_the_job_within_the_timeout": hung_rank_job,
     "test_sigterm_to_the_launcher_saves": lambda d, r, p: signal_running_job(d, r, p, "launcher"),
@@ -327,7 +328,7 @@ def test_a_hung_rank_ends_the_job_within_the_timeout(jobs: TwoAtATime):
     job, _ = jobs("test_a_hung_rank_ends_the_job_within_the_timeout")
     output = job.output
     assert job.returncode != 0
-    assert job.rank0_s < 12 + 15, f"rank 0 left {job.rank0_s:.0f} s after rank 1 hung (timeout 12 s)\n{output[-3000:]}"
+    assert job.rank0_s < 12 + 20, f"rank 0 left {job.rank0_s:.0f} s after rank 1 hung (timeout 12 s)\n{output[-3000:]}"
     errors = [ln for ln in output.splitlines() if ln.startswith("error:")]
     want = "error: rank 0: a collective timed out (deepspeed.timeout_s)"
     assert len(errors) == 1 and want in errors[0], f"{errors}\n{output[-3000:]}"
@@ -351,7 +352,7 @@ def test_a_stalled_data_loader_ends_its_rank_with_one_line(jobs: TwoAtATime):
     assert len(failures) == 1 and failures[0]["why"] == "data loader stalled", failures
     # the rank waited the bound (and a watchdog poll) for its next batch, then ended at once
     assert bound <= failures[0]["waited_s"] < bound + 5, failures
-    assert job.rank1_ended - failures[0]["time"] < 10, job.rank1_ended - failures[0]["time"]
+    assert job.rank1_ended - failures[0]["time"] < 15, job.rank1_ended - failures[0]["time"]
     # its stopped worker was killed with it (a stopped process ignores SIGTERM: the launcher would spend its 30 s
     # grace on it, then SIGKILL it) ...
     assert job.workers_left == 0, f"rank 1's stopped DataLoader worker outlived it\n{output[-4000:]}"
