@@ -697,6 +697,12 @@ def smoke(data: dict[str, Path], run_dir: Path, *settings: str) -> list[str]:
     ]
 
 
+# The setting of the runs that test what happens around training (faults, agents, nodes, saving, logging), not
+# BF16 arithmetic: a CPU without native BF16 (AVX2) emulates it, several times slower. The straight run and the
+# runs compared with it keep BF16.
+FP32 = "deepspeed.precision=fp32"
+
+
 def common(data: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
     return smoke(
         data,

@@ -16,14 +16,14 @@ import psutil
 import pytest
 
 from common.net import free_port
-from tests.conftest import REPO, run_env, run_python, smoke
+from tests.conftest import FP32, REPO, run_env, run_python, smoke
 from training import events, metrics
 
 
 def elastic(run_dir: Path, data, *extra: str, restarts: int = 2, nodes: str = "1") -> list[str]:
     """The arguments of ``python`` that start ``launch elastic`` of the smoke recipe on ``data``, writing to
-    ``run_dir``; in FP32 (the agent's ways of ending a job are not about BF16 arithmetic, which a CPU without
-    native BF16 emulates, several times slower)."""
+    ``run_dir``; in FP32 (``tests.conftest.FP32``: the agent's ways of ending a job are not about BF16
+    arithmetic)."""
     return [
         "-m",
         "launch",
@@ -47,7 +47,7 @@ def elastic(run_dir: Path, data, *extra: str, restarts: int = 2, nodes: str = "1
             "train.eval_samples=16",
             "checkpoint.every=2",
             "deepspeed.zero_stage=2",
-            "deepspeed.precision=fp32",
+            FP32,
             *extra,
         ),
     ]

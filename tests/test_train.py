@@ -16,12 +16,8 @@ from pathlib import Path
 import pytest
 
 from data.loader import PretrainingLoader
-from tests.conftest import REPO, common, deepspeed, run_env, run_python
+from tests.conftest import FP32, REPO, common, deepspeed, run_env, run_python
 from training import events
-
-# The runs below that are about saving, disks and logging, not BF16 arithmetic, train in FP32: a CPU without
-# native BF16 (AVX2) emulates it, several times slower (the straight run and the runs compared with it keep BF16).
-FP32 = "deepspeed.precision=fp32"
 
 pytestmark = pytest.mark.slow
 
@@ -459,7 +455,7 @@ def test_a_family_from_outside_the_package_trains_evaluates_and_resumes(gpt_data
         "data.num_workers=0",
         "optimizer.name=adamw",
         "deepspeed.zero_stage=0",
-        "deepspeed.precision=fp32",
+        FP32,
         "train.steps=3",
         "train.global_batch=4",
         "train.micro_batch=4",

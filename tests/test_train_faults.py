@@ -27,7 +27,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import REPO, TwoAtATime, launcher, module_tests, run_env
+from tests.conftest import FP32, REPO, TwoAtATime, launcher, module_tests, run_env
 from tests.conftest import common as bf16_common
 from tests.test_train import deepspeed, losses
 from training import events
@@ -36,10 +36,9 @@ pytestmark = pytest.mark.slow
 
 
 def common(data, run_dir: Path, *extra: str) -> list[str]:
-    """The suite's 8-step arguments (``tests.conftest.common``) in FP32: these jobs are about faults, not BF16
-    arithmetic, which a CPU without native BF16 emulates, several times slower (the straight run and the resume
-    tests of tests/test_train.py keep BF16)."""
-    return bf16_common(data, run_dir, "deepspeed.precision=fp32", *extra)
+    """The suite's 8-step arguments (``tests.conftest.common``) in FP32 (``tests.conftest.FP32``: these jobs are
+    about faults, not BF16 arithmetic)."""
+    return bf16_common(data, run_dir, FP32, *extra)
 
 
 def launcher_and_ranks(proc: subprocess.Popen) -> tuple[list[psutil.Process], list[psutil.Process]]:

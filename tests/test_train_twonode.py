@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_env, run_python, smoke
+from tests.conftest import FP32, REPO, run_env, run_python, smoke
 from tests.netns import SUBNET, kill_namespace_processes, two_nodes, unavailable_reason
 from tests.test_train import losses
 
@@ -77,11 +77,6 @@ def wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
             p.kill()
             p.wait()
     return out
-
-
-# The two-node training test's runs: what a node's failure does is not about BF16 arithmetic, which a CPU
-# without native BF16 emulates, several times slower (the elastic test below keeps BF16, its timing tuned to it).
-FP32 = "deepspeed.precision=fp32"
 
 
 def train_args(data, run_dir: Path, *extra: str) -> list[str]:
@@ -197,6 +192,7 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_pa
     from training.metrics import goodput
 
     run_dir, steps = tmp_path / "run", 30
+    # BF16, unlike the test above: the steps' length is what its waits and its 30 steps are tuned to
     args = train_args(bert_data, run_dir, f"train.steps={steps}", "checkpoint.every=2", "deepspeed.timeout_s=20")
     logs = [tmp_path / f"node{r}.log" for r in range(2)] + [tmp_path / "node1-back.log"]
 
