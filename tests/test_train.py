@@ -567,12 +567,12 @@ def test_resume_on_a_different_world_size(bert_data, tmp_path):
     """1 rank to step 4, then 2 ranks with the same global batch: a universal checkpoint, the next samples.
     Rank 0 converts while rank 1 waits on the checkpoint directory, outside any collective: the resumed run's
     collective timeout (5 s) is shorter than the conversion."""
-    nodrop = "model.dropout=0.0"  # only the reduction order then differs between 2 ranks and 1
+    nodrop = ("model.dropout=0.0", FP32)  # only the reduction order then differs between 2 ranks and 1
     straight, run_dir = tmp_path / "straight", tmp_path / "run"
-    assert deepspeed(common(bert_data, straight, nodrop)).returncode == 0
-    first = deepspeed(common(bert_data, run_dir, nodrop, "train.stop_at_step=4"), ranks=1)
+    assert deepspeed(common(bert_data, straight, *nodrop)).returncode == 0
+    first = deepspeed(common(bert_data, run_dir, *nodrop, "train.stop_at_step=4"), ranks=1)
     assert first.returncode == 3, first.stderr[-3000:]
-    second = deepspeed(common(bert_data, run_dir, nodrop, "deepspeed.timeout_s=5"))
+    second = deepspeed(common(bert_data, run_dir, *nodrop, "deepspeed.timeout_s=5"))
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'universal-step00000004'} at step 4" in second.stderr
     took = re.search(r"converted .*step00000004 in ([0-9.]+) s", second.stderr)
