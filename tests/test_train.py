@@ -17,6 +17,7 @@ import pytest
 
 from data.loader import PretrainingLoader
 from tests.conftest import FP32, REPO, common, deepspeed, run_env, run_python
+from tests.prefork import SITECUSTOMIZE_ENV
 from training import events
 
 pytestmark = pytest.mark.slow
@@ -565,19 +566,23 @@ def test_phase2_starts_from_phase1_weights_with_fresh_schedule(bert_data, straig
 
 def test_resume_on_a_different_world_size(bert_data, tmp_path):
     """1 rank to step 4, then 2 ranks with the same global batch: a universal checkpoint, the next samples.
-    Rank 0 converts while rank 1 waits on the checkpoint directory, outside any collective: the resumed run's
-    collective timeout (5 s) is shorter than the conversion."""
+    Rank 0 converts while rank 1 waits on the checkpoint directory, outside any collective: the conversion
+    starts 6 s late (a test-only ``sitecustomize``, tests/scripts/slow_conversion), so it outlasts the resumed
+    run's collective timeout (5 s) on any machine, and the run still goes on."""
     nodrop = ("model.dropout=0.0", FP32)  # only the reduction order then differs between 2 ranks and 1
     straight, run_dir = tmp_path / "straight", tmp_path / "run"
     assert deepspeed(common(bert_data, straight, *nodrop)).returncode == 0
     first = deepspeed(common(bert_data, run_dir, *nodrop, "train.stop_at_step=4"), ranks=1)
     assert first.returncode == 3, first.stderr[-3000:]
-    second = deepspeed(common(bert_data, run_dir, *nodrop, "deepspeed.timeout_s=5"))
+    late = {SITECUSTOMIZE_ENV: str(REPO / "tests" / "scripts" / "slow_conversion")}
+    late["WIKIPRETRAIN_TEST_CONVERSION_DELAY_S"] = "6"
+    second = deepspeed(common(bert_data, run_dir, *nodrop, "deepspeed.timeout_s=5"), env={**run_env(), **late})
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'universal-step00000004'} at step 4" in second.stderr
+    assert second.stderr.count("test hook: the conversion starts 6 s late") == 1, second.stderr[-3000:]  # rank 0
     took = re.search(r"converted .*step00000004 in ([0-9.]+) s", second.stderr)
     assert took, second.stderr[-3000:]
-    print(f"conversion took {took.group(1)} s under a 5 s collective timeout")
+    print(f"conversion took 6 s late + {took.group(1)} s under a 5 s collective timeout")
     a, b = losses(straight), losses(run_dir)
     assert sorted(b) == list(range(1, 9))
     assert [b[s] for s in range(5, 9)] == pytest.approx([a[s] for s in range(5, 9)], rel=2e-3)
