@@ -35,6 +35,12 @@ def losses(run_dir: Path) -> dict[int, float]:
     return out
 
 
+def last_logged(run_dir: Path) -> int:
+    """The last step whose loss ``metrics.jsonl`` holds so far (``losses``); 0 before the run has written it:
+    what a test waits on while a run trains."""
+    return max(losses(run_dir), default=0) if (run_dir / "metrics.jsonl").exists() else 0
+
+
 @pytest.mark.cuda  # on the GPU tier too: 2 ranks sharing its one GPU
 def test_run_writes_metrics_and_summary(straight_run):
     summary = json.loads((straight_run / "summary.json").read_text())

@@ -29,7 +29,7 @@ import pytest
 
 from tests.conftest import FP32, REPO, TwoAtATime, launcher, module_tests, run_env
 from tests.conftest import common as bf16_common
-from tests.test_train import deepspeed, losses
+from tests.test_train import deepspeed, last_logged, losses
 from training import events
 
 pytestmark = pytest.mark.slow
@@ -83,9 +83,9 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, also: Call
     """Until ``steps`` losses are logged (and ``also`` holds); fails if the job ends or 180 s pass first, with
     what the job printed (its process group is killed first, so that its pipe ends)."""
     start = time.time()
-    while not ((run_dir / "metrics.jsonl").exists() and len(losses(run_dir)) >= steps and (also is None or also())):
+    while not (last_logged(run_dir) >= steps and (also is None or also())):
         if time.time() - start > 180 or proc.poll() is not None:
-            logged = len(losses(run_dir)) if (run_dir / "metrics.jsonl").exists() else 0
+            logged = last_logged(run_dir)
             end_job(proc)
             try:
                 output, _ = proc.communicate(timeout=60)
@@ -93,7 +93,7 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, also: Call
                 output = "(its output: the pipe stayed open 60 s after the job was killed)"
             raise AssertionError(
                 f"training did not reach step {steps} in {time.time() - start:.0f} s (exit code {proc.returncode}, "
-                f"{logged} steps logged)\n{output[-4000:]}"
+                f"step {logged} logged last)\n{output[-4000:]}"
             )
         time.sleep(0.2)
 

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import FP32, REPO, run_env, run_python, smoke
 from tests.netns import SUBNET, kill_namespace_processes, two_nodes, unavailable_reason
-from tests.test_train import losses
+from tests.test_train import last_logged
 
 pytestmark = pytest.mark.slow
 
@@ -105,7 +105,7 @@ def test_two_node_training_then_node_failure_and_restart(bert_data, tmp_path):
         args = train_args(bert_data, run_dir, "train.steps=100000", "checkpoint.every=2", FP32)
         procs = [start(n, r, n0.addr, hostfile, args, logs[r]) for r, n in enumerate((n0, n1))]
         deadline = time.monotonic() + 240
-        while not (run_dir / "metrics.jsonl").exists() or max(losses(run_dir), default=0) < 8:
+        while last_logged(run_dir) < 8:
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()[-3000:]
             time.sleep(0.5)
         assert kill_namespace_processes(n1)
@@ -204,8 +204,7 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_pa
 
     with two_nodes("e") as (n0, n1):
         procs = [start_elastic(n, args, logs[r]) for r, n in enumerate((n0, n1))]
-        metrics = run_dir / "metrics.jsonl"
-        wait_until(lambda: metrics.exists() and max(losses(run_dir), default=0) >= 5, procs, "step 5")
+        wait_until(lambda: last_logged(run_dir) >= 5, procs, "step 5")
         assert kill_namespace_processes(n1)
         wait(procs[1:], 10)
 
