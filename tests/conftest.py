@@ -285,6 +285,7 @@ class _PreforkServer:
 
 SERVER_LOST = -255  # the exit code of a forked rank whose server ended before reporting it
 _servers: list[_PreforkServer] = []
+_servers_lock = threading.Lock()
 _failed: list[str] = []  # a server that did not start: the session's ranks start fresh
 MAX_SERVERS = 3  # one per environment that changes what the preloaded libraries read at import
 
@@ -303,25 +304,27 @@ def _prefork(env: dict[str, str]) -> _PreforkServer | None:
     """A prefork server that may fork a rank with ``env`` (started with ``env`` if none may yet), or None
     where ranks must start fresh: a GPU machine (no fork after CUDA is initialised), ``MAX_SERVERS`` running
     already (a warning in pytest's summary: correct, but 5 s slower per rank), or
-    ``WIKIPRETRAIN_TEST_PREFORK=0``."""
-    if _failed:
-        return None
-    _servers[:] = [s for s in _servers if s.alive()]  # one that died (killed, out of memory) is replaced
-    for server in _servers:
-        if server.takes(env):
-            return server
-    if not _may_fork():
-        return None
-    if len(_servers) == MAX_SERVERS:
-        warnings.warn(f"prefork: {MAX_SERVERS} servers running; a rank starts as a fresh interpreter", stacklevel=3)
-        return None
-    try:
-        _servers.append(_PreforkServer(env))
-    except RuntimeError as e:  # correct without it, 5 s slower per rank
-        warnings.warn(f"prefork: {e}; ranks start as fresh interpreters", stacklevel=3)
-        _failed.append(str(e))
-        return None
-    return _servers[-1]
+    ``WIKIPRETRAIN_TEST_PREFORK=0``. Thread-safe: a module's jobs start ranks from threads of their own."""
+    with _servers_lock:  # two threads that find no server start one, not two
+        if _failed:
+            return None
+        _servers[:] = [s for s in _servers if s.alive()]  # one that died (killed, out of memory) is replaced
+        for server in _servers:
+            if server.takes(env):
+                return server
+        if not _may_fork():
+            return None
+        if len(_servers) == MAX_SERVERS:
+            message = f"prefork: {MAX_SERVERS} servers running; a rank starts as a fresh interpreter"
+            warnings.warn(message, stacklevel=3)
+            return None
+        try:
+            _servers.append(_PreforkServer(env))
+        except RuntimeError as e:  # correct without it, 5 s slower per rank
+            warnings.warn(f"prefork: {e}; ranks start as fresh interpreters", stacklevel=3)
+            _failed.append(str(e))
+            return None
+        return _servers[-1]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -457,6 +460,7 @@ def start_ranks(
     timeout: float = 300,
     env: dict | None = None,
     one_device: bool = False,
+    started: Callable[[list[_Popened | _Forked]], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """``ranks`` processes of ``script`` (a path and its arguments) on this machine, with the environment the
     DeepSpeed launcher gives its ranks (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_*, MASTER_*), started
@@ -464,7 +468,8 @@ def start_ranks(
     behaviour (signals, a rank lost) start it themselves. Each rank is forked by the ``tests.prefork`` server
     (torch, transformers and DeepSpeed already imported) where its environment allows, else a fresh
     interpreter. ``one_device``: every rank with ``LOCAL_RANK=0``, to share this machine's one GPU (DeepSpeed
-    would otherwise ask for a ``cuda:1`` that does not exist).
+    would otherwise ask for a ``cuda:1`` that does not exist). ``started``: called with the ranks (``poll``,
+    ``signal``) once all have started, as a test that acts on a running job needs them.
 
     As the launcher: when a rank fails, the others get SIGTERM (after 5 s: ranks that stop together, exit 3
     after a save, end on their own) and 30 s before they are killed; the exit code is the first failure seen;
@@ -488,6 +493,8 @@ def start_ranks(
             argv = [script[0], f"--local_rank={local}", *script[1:]]
             rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(local)}
             procs.append(_start(argv, rank_env, files / f"rank{r}"))
+        if started is not None:
+            started(procs)
         deadline, failed_at, first_code, terminated = time.monotonic() + timeout, None, 0, False
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if failed_at is None:
