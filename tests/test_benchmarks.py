@@ -2,7 +2,8 @@
 its figures.
 
 Each benchmark runs as a user runs it (this interpreter, the repository root as working directory), with toy
-arguments; the test parses the figures it printed. The helpers that a benchmark starts run inside it:
+arguments (forked rather than a fresh interpreter where the script measures nothing of its own process:
+``FORKED``); the test parses the figures it printed. The helpers that a benchmark starts run inside it:
 ``bench_train_ours.py`` and ``bench_train_hf.py`` under ``bench_train.py`` (its "ours" and "peer" columns,
 the CPU-time column from ``bench_train_ours.py``), ``startup_floor.py`` under ``bench_startup.py`` (the floor
 column). Peers that are not installed (WikiExtractor, mwparserfromhell, mosaicml-streaming, NVIDIA's
@@ -18,6 +19,7 @@ import argparse
 import math
 import re
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -86,10 +88,17 @@ def number(text: str) -> float:
     return float(text.replace(",", ""))
 
 
-def run_bench(script: str, *args: str, timeout: int = 600) -> str:
-    """Run ``benchmarks/<script>`` with ``args``; its stdout (a failure shows the end of both streams)."""
-    # fresh: as a user runs it (a forked interpreter's memory and start-up would be the prefork server's)
-    res = run_python([str(BENCH / script), *args], timeout=timeout, fresh=True)
+# The benchmarks whose script measures nothing of its own process (its memory, its start-up): they run forked
+# by the suite's prefork server (``run_python``), the script as ``__main__`` with its arguments all the same,
+# without the 3-8 CPU-s of a fresh interpreter's imports. The others, and every process a benchmark starts,
+# start fresh.
+FORKED = ("train", "train_tiny_rows", "switch", "train_profile", "lans", "gpu_readiness")
+
+
+def run_bench(script: str, *args: str, timeout: int = 600, fresh: bool = True) -> str:
+    """Run ``benchmarks/<script>`` with ``args`` (``fresh``: in a fresh interpreter, as a user runs it, else
+    forked by the prefork server: see ``FORKED``); its stdout (a failure shows the end of both streams)."""
+    res = run_python([str(BENCH / script), *args], timeout=timeout, fresh=fresh)
     assert res.returncode == 0, f"{script} exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}"
     return res.stdout
 
@@ -154,7 +163,7 @@ def bench(request, bench_data: dict[str, Path], tmp_path_factory) -> Iterator[Tw
             for name in ("text", "vocab", "bert"):  # the shared data, under the names build_data looks for
                 (work / bench_data[name].name).symlink_to(bench_data[name])
             script, *rest = args(work)
-            runs.start(key, work, run_bench, script, *rest)
+            runs.start(key, work, partial(run_bench, fresh=key not in FORKED), script, *rest)
         yield runs
     finally:
         runs.close()
@@ -167,6 +176,7 @@ def test_every_benchmark_is_run_here() -> None:
     assert scripts - tested - set(HELPERS) == set(), "benchmarks without a test in tests/test_benchmarks.py"
     assert set(HELPERS.values()) <= tested
     assert {name[len("test_bench_") :] for name in globals() if name.startswith("test_bench_")} == set(ARGS)
+    assert set(FORKED) <= set(ARGS)
 
 
 @pytest.mark.slow
