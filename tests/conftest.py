@@ -304,7 +304,7 @@ def _prefork(env: dict[str, str]) -> _PreforkServer | None:
     """A prefork server that may fork a rank with ``env`` (started with ``env`` if none may yet), or None
     where ranks must start fresh: a GPU machine (no fork after CUDA is initialised), ``MAX_SERVERS`` running
     already (a warning in pytest's summary: correct, but 5 s slower per rank), or
-    ``WIKIPRETRAIN_TEST_PREFORK=0``. Thread-safe: a module's jobs start ranks from threads of their own."""
+    ``WIKIPRETRAIN_TEST_PREFORK=0``. Thread-safe: runs start from ``TwoAtATime``'s threads."""
     with _servers_lock:  # two threads that find no server start one, not two
         if _failed:
             return None
@@ -460,7 +460,6 @@ def start_ranks(
     timeout: float = 300,
     env: dict | None = None,
     one_device: bool = False,
-    started: Callable[[list[_Popened | _Forked]], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """``ranks`` processes of ``script`` (a path and its arguments) on this machine, with the environment the
     DeepSpeed launcher gives its ranks (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_*, MASTER_*), started
@@ -468,8 +467,7 @@ def start_ranks(
     behaviour (signals, a rank lost) start it themselves. Each rank is forked by the ``tests.prefork`` server
     (torch, transformers and DeepSpeed already imported) where its environment allows, else a fresh
     interpreter. ``one_device``: every rank with ``LOCAL_RANK=0``, to share this machine's one GPU (DeepSpeed
-    would otherwise ask for a ``cuda:1`` that does not exist). ``started``: called with the ranks (``poll``,
-    ``signal``) once all have started, as a test that acts on a running job needs them.
+    would otherwise ask for a ``cuda:1`` that does not exist).
 
     As the launcher: when a rank fails, the others get SIGTERM (after 5 s: ranks that stop together, exit 3
     after a save, end on their own) and 30 s before they are killed; the exit code is the first failure seen;
@@ -493,8 +491,6 @@ def start_ranks(
             argv = [script[0], f"--local_rank={local}", *script[1:]]
             rank_env = {**base, "RANK": str(r), "LOCAL_RANK": str(local)}
             procs.append(_start(argv, rank_env, files / f"rank{r}"))
-        if started is not None:
-            started(procs)
         deadline, failed_at, first_code, terminated = time.monotonic() + timeout, None, 0, False
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if failed_at is None:

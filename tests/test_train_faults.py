@@ -1,7 +1,6 @@
-"""train.py's jobs under faults on 2 CPU ranks: SIGTERM to each part of a job (it saves, exits with code 3 and
-resumes exactly), kill -9 of a rank, a hung rank, a stalled data loader. Each job runs through the real
-DeepSpeed launcher, but those that SIGTERM one rank: they test the ranks' agreement to stop, and start their
-ranks as the launcher starts them (``tests.conftest.start_ranks``).
+"""train.py's jobs under faults, each through the real DeepSpeed launcher on 2 CPU ranks: SIGTERM to each part
+of a job (it saves, exits with code 3 and resumes exactly), kill -9 of a rank, a hung rank, a stalled data
+loader.
 
 Each test's job (``JOBS``) mostly waits: on the launcher's interpreters starting, on a timeout. So the jobs of
 the selected tests start with the module's first test, two at a time (the ``jobs`` fixture), each on a port of
@@ -19,7 +18,6 @@ import os
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -29,7 +27,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import FP32, REPO, TwoAtATime, launcher, module_tests, run_env, start_ranks
+from tests.conftest import FP32, REPO, TwoAtATime, launcher, module_tests, run_env
 from tests.conftest import common as bf16_common
 from tests.test_train import deepspeed, last_logged, losses
 from training import events
@@ -100,18 +98,18 @@ def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, also: Call
         time.sleep(0.2)
 
 
-def signal_running_job(data, run_dir: Path, port: int, target: str) -> tuple[int, str]:
-    """Start a long 2-rank job, wait for its second step, SIGTERM ``target``: "launcher"
+def signal_running_job(data, run_dir: Path, port: int, target: str, *extra: str) -> tuple[int, str]:
+    """Start a long 2-rank job, wait for its second step, SIGTERM ``target``: "rank1", "launcher"
     (``deepspeed.launcher.launch``), "runner" (the ``deepspeed`` command alone) or "group" (the job's whole
     process group, as ``scancel`` and a terminal's job control do). Its exit code and output."""
-    proc = start_job(data, run_dir, port)
+    proc = start_job(data, run_dir, port, *extra)
     try:
-        wait_for_steps(proc, run_dir, 2)
+        wait_for_steps(proc, run_dir, 2, (lambda: (run_dir / "checkpoints" / "latest").exists()) if extra else None)
         launchers, ranks = launcher_and_ranks(proc)
         if target == "group":
             os.killpg(proc.pid, signal.SIGTERM)
         else:
-            victim = {"launcher": launchers[0], "runner": psutil.Process(proc.pid)}[target]
+            victim = {"rank1": ranks[1], "launcher": launchers[0], "runner": psutil.Process(proc.pid)}[target]
             victim.send_signal(signal.SIGTERM)
         output, _ = proc.communicate(timeout=120)  # until every process holding the pipe has ended
         psutil.wait_procs(ranks + launchers, timeout=60)
@@ -119,31 +117,6 @@ def signal_running_job(data, run_dir: Path, port: int, target: str) -> tuple[int
     finally:
         end_job(proc)
     return proc.returncode, output
-
-
-def signal_rank_1(data, run_dir: Path, port: int, *extra: str) -> tuple[int, str]:
-    """A long 2-rank job whose rank 1 gets SIGTERM once the job has logged its second step (and, with ``extra``,
-    saved a checkpoint). What these tests check is the ranks' own agreement to stop, not the launcher's part
-    (the jobs above have it), so the ranks start as the launcher starts them (``start_ranks``, forked: no
-    launcher's and ranks' interpreters to start, about 20 CPU-s a job here); ``port`` is left unused. Its
-    exit code (the launcher's: the first failure) and every rank's output."""
-    saved = (lambda: (run_dir / "checkpoints" / "latest").exists()) if extra else (lambda: True)
-
-    def watch(ranks: list) -> None:
-        def term_rank_1() -> None:
-            deadline = time.time() + 180
-            while not (last_logged(run_dir) >= 2 and saved()):
-                if time.time() > deadline or any(r.poll() is not None for r in ranks):
-                    for r in ranks:  # the job failed or is too slow: its output tells why
-                        r.signal(signal.SIGKILL)
-                    return
-                time.sleep(0.2)
-            ranks[1].signal(signal.SIGTERM)
-
-        threading.Thread(target=term_rank_1, name="sigterm-rank-1", daemon=True).start()
-
-    res = start_ranks(["train.py", *common(data, run_dir, "train.steps=10000", *extra)], 2, started=watch)
-    return res.returncode, res.stdout + res.stderr
 
 
 def running(procs: list[psutil.Process], within: float) -> list[psutil.Process]:
@@ -283,10 +256,10 @@ JOBS: dict[str, Callable[[dict, Path, int], Any]] = {
     "test_sigterm_to_the_process_group_saves": lambda d, r, p: signal_running_job(d, r, p, "group"),
     "test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit": kill_9_job,
     "test_sigterm_to_the_deepspeed_command_alone_saves": lambda d, r, p: signal_running_job(d, r, p, "runner"),
-    "test_sigterm_without_time_to_save_keeps_the_last_checkpoint": lambda d, r, p: signal_rank_1(
-        d, r, p, *NO_TIME_TO_SAVE
+    "test_sigterm_without_time_to_save_keeps_the_last_checkpoint": lambda d, r, p: signal_running_job(
+        d, r, p, "rank1", *NO_TIME_TO_SAVE
     ),
-    "test_sigterm_saves_and_exits_with_distinct_code": signal_rank_1,
+    "test_sigterm_saves_and_exits_with_distinct_code": lambda d, r, p: signal_running_job(d, r, p, "rank1"),
 }
 
 
