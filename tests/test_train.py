@@ -580,15 +580,17 @@ def test_resume_on_a_different_world_size(bert_data, tmp_path):
     assert deepspeed(common(bert_data, straight, *nodrop)).returncode == 0
     first = deepspeed(common(bert_data, run_dir, *nodrop, "train.stop_at_step=4"), ranks=1)
     assert first.returncode == 3, first.stderr[-3000:]
+    delay_s = 6  # longer than the resumed run's collective timeout (5 s)
     late = {SITECUSTOMIZE_ENV: str(REPO / "tests" / "scripts" / "slow_conversion")}
-    late["WIKIPRETRAIN_TEST_CONVERSION_DELAY_S"] = "6"
+    late["WIKIPRETRAIN_TEST_CONVERSION_DELAY_S"] = str(delay_s)
     second = deepspeed(common(bert_data, run_dir, *nodrop, "deepspeed.timeout_s=5"), env={**run_env(), **late})
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / 'universal-step00000004'} at step 4" in second.stderr
-    assert second.stderr.count("test hook: the conversion starts 6 s late") == 1, second.stderr[-3000:]  # rank 0
+    hook = f"test hook: the conversion starts {delay_s} s late"
+    assert second.stderr.count(hook) == 1, second.stderr[-3000:]  # rank 0
     took = re.search(r"converted .*step00000004 in ([0-9.]+) s", second.stderr)
     assert took, second.stderr[-3000:]
-    print(f"conversion took 6 s late + {took.group(1)} s under a 5 s collective timeout")
+    print(f"conversion took {delay_s} s late + {took.group(1)} s under a 5 s collective timeout")
     a, b = losses(straight), losses(run_dir)
     assert sorted(b) == list(range(1, 9))
     assert [b[s] for s in range(5, 9)] == pytest.approx([a[s] for s in range(5, 9)], rel=2e-3)

@@ -80,8 +80,8 @@ def end_job(proc: subprocess.Popen) -> None:
 
 
 def wait_for_steps(proc: subprocess.Popen, run_dir: Path, steps: int, also: Callable[[], bool] | None = None) -> None:
-    """Until ``steps`` losses are logged (and ``also`` holds); fails if the job ends or 180 s pass first, with
-    what the job printed (its process group is killed first, so that its pipe ends)."""
+    """Until the last logged step reaches ``steps`` (and ``also`` holds); fails if the job ends or 180 s pass
+    first, with what the job printed (its process group is killed first, so that its pipe ends)."""
     start = time.time()
     while not (last_logged(run_dir) >= steps and (also is None or also())):
         if time.time() - start > 180 or proc.poll() is not None:
