@@ -282,7 +282,7 @@ def test_slurm_script_asks_for_the_signal_and_forwards_it(tmp_path: Path) -> Non
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert "#SBATCH --signal=B:TERM@120" in text
-    helper = text[text.index("run() {") : text.index("\n}\n", text.index("run() {")) + 3]
+    helper = run_helper(text)
     up = tmp_path / "up"
     script = f"{helper}\nrun {shlex.quote(sys.executable)} -c {shlex.quote(CHILD)} {shlex.quote(str(up))}\n"
     shell = subprocess.Popen(["bash", "-c", script + 'exit "$?"'])
@@ -292,3 +292,59 @@ def test_slurm_script_asks_for_the_signal_and_forwards_it(tmp_path: Path) -> Non
         time.sleep(0.05)
     shell.send_signal(signal.SIGTERM)
     assert shell.wait(timeout=30) == 3
+
+
+def run_helper(sbatch: str) -> str:
+    """The rendered Slurm script's ``run`` function."""
+    start = sbatch.index("run() {")
+    return sbatch[start : sbatch.index("\n}\n", start) + 3]
+
+
+# A command that is up within a millisecond of its start, ends with 3 within 0.02 s of a SIGTERM (sh runs the
+# trap once its ``sleep`` ends), and by itself after 10 s.
+QUICK_CHILD = 'trap "exit 3" TERM; : > "$0"; i=0; while [ $i -lt 500 ]; do sleep 0.02; i=$((i + 1)); done'
+
+
+def test_slurm_run_passes_on_a_sigterm_that_comes_as_the_command_starts(tmp_path: Path) -> None:
+    """SIGTERM to the batch shell the moment its command is up, 100 times: ``run`` sets its trap before it starts
+    the command, so every one reaches the command (with the trap set after the start, 11 in 100 ended the
+    shell itself here, with the command left running), and ``run`` returns the command's own exit code, also of
+    one that ends at once."""
+    import signal
+    import time
+
+    out = tmp_path / "job.sbatch"
+    r = render(tmp_path, "slurm", "--config", "configs/bert.yaml", "--nodes", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    helper = run_helper(out.read_text())
+    codes = []
+    for i in range(100):
+        up = tmp_path / f"up{i}"
+        script = f"{helper}\nrun sh -c {shlex.quote(QUICK_CHILD)} {shlex.quote(str(up))}\n" + 'exit "$?"'
+        shell = subprocess.Popen(["bash", "-c", script])  # (started in a session of its own, the race did not show)
+        try:
+            deadline = time.monotonic() + 10
+            while not up.exists() and shell.poll() is None and time.monotonic() < deadline:
+                pass
+            shell.send_signal(signal.SIGTERM)
+            codes.append(shell.wait(timeout=10))
+        finally:
+            shell.kill()  # (after a failure; its command ends within 10 s by itself)
+    assert codes == [3] * 100, {code: codes.count(code) for code in set(codes)}
+    for code in (0, 2, 5):  # ended before ``run`` waits on it: its own code, not 0
+        r = subprocess.run(["bash", "-c", f"{helper}\nrun sh -c 'exit {code}'\n" + 'exit "$?"'], timeout=10)
+        assert r.returncode == code
+    # a command that SIGTERM ends (no handler): 128 + 15, as from the command itself
+    up = tmp_path / "up-plain"
+    plain = ': > "$0"; exec sleep 10'
+    script = f"{helper}\nrun sh -c {shlex.quote(plain)} {shlex.quote(str(up))}\n"
+    shell = subprocess.Popen(["bash", "-c", script + 'exit "$?"'])
+    try:
+        deadline = time.monotonic() + 10
+        while not up.exists() and shell.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # past the exec
+        shell.send_signal(signal.SIGTERM)
+        assert shell.wait(timeout=10) == 128 + signal.SIGTERM
+    finally:
+        shell.kill()
