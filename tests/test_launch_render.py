@@ -295,9 +295,12 @@ def test_slurm_script_asks_for_the_signal_and_forwards_it(tmp_path: Path) -> Non
 
 
 def run_helper(sbatch: str) -> str:
-    """The rendered Slurm script's ``run`` function."""
+    """The rendered Slurm script's ``run`` function, under the script's own shell options (``set -e`` ends the
+    script at a failing command that ``run`` does not guard)."""
+    options = "set -euo pipefail\n"
+    assert options in sbatch
     start = sbatch.index("run() {")
-    return sbatch[start : sbatch.index("\n}\n", start) + 3]
+    return options + sbatch[start : sbatch.index("\n}\n", start) + 3]
 
 
 # A command that is up within a millisecond of its start, ends with 3 within 0.02 s of a SIGTERM (sh runs the
