@@ -135,7 +135,7 @@ def test_packing_never_reads_a_device_max_seqlen():
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["", "ckpt"])
 def test_unpadded_is_as_close_to_float64_as_padded(batch, pre_layernorm, checkpointing):
     """FP32 loss and every gradient of the unpadded model are no further from a float64 padded run than twice
-    the padded FP32 run's distance (per tensor; below FP32 rounding counts as FP32 rounding).
+    the padded FP32 run's distance (per tensor; a gradient's distance below 4 FP32 roundings counts as 4).
 
     The batch's NSP labels are all one class. With mixed labels at chance level, the NSP bias's gradient (the
     batch mean of p - label) nearly cancels, so its relative error is a few roundings of the [CLS] states
@@ -168,7 +168,10 @@ def test_unpadded_is_as_close_to_float64_as_padded(batch, pre_layernorm, checkpo
         loss64,
     )
     err_pad, err_unpad = _errors(grads_pad, grads64), _errors(grads_unpad, grads64)
-    worse = {n: (err_unpad[n], err_pad[n]) for n in err_pad if err_unpad[n] > 2 * max(err_pad[n], FP32_EPS)}
+    # a floor of 4 roundings: a tensor whose padded error is 1 rounding may take 2.2 unpadded, and the order of
+    # OpenMP's sums can change from run to run (seen in CI: query.bias, pre-LN, 2.6e-7 against 1.2e-7)
+    floor = 4 * FP32_EPS
+    worse = {n: (err_unpad[n], err_pad[n]) for n in err_pad if err_unpad[n] > 2 * max(err_pad[n], floor)}
     assert not worse, worse
     assert max(err_unpad.values()) < 1e-4
 
