@@ -14,6 +14,12 @@ sees one opaque node (no graph break, dynamic in the token count), and tagged ``
   ``_flash_attention_backward`` with ``cum_seq_q/k``, ``max_q/k`` and ``dropout_p``, what nested-tensor SDPA
   calls inside. Its dropout draws from the CUDA generator (seed and offset, returned as ``rng_state``), so
   activation checkpointing's recomputation, which restores that generator, drops the same probabilities.
+  The kernel's preconditions on what this module passes (int32 ``cu_seqlens`` with at least one sequence,
+  BF16/FP16 q/k/v of one dtype, head size a multiple of 8 and at most 256) are ``torch._check``-ed before the
+  call, by the real implementation and by the fake one alike (:func:`check_flash_inputs`): an input the kernel
+  would refuse fails with this operator's name eagerly, under ``FakeTensorMode`` and while ``torch.compile``
+  traces, not only on a GPU. ``model.unpad`` keeps the product's inputs inside them (``packing`` makes
+  ``cu_seqlens`` int32, :func:`flash_usable` picks ``padded`` for the rest).
 * **CPU**: one sequence at a time (``cu_seqlens`` on the host), softmax in at least FP32, the probabilities
   recomputed in the backward pass (as flash does) rather than kept. Dropout keeps a probability where a
   uniform draw from a generator seeded by one 62-bit draw of the default CPU generator is ``>= p``: the
@@ -25,10 +31,15 @@ sees one opaque node (no graph break, dynamic in the token count), and tagged ``
 Elsewhere (CUDA in FP32, an older card, an odd head size, another accelerator) ``model.unpad`` uses its
 ``padded`` kernel (``model.unpad.default_kernel``).
 
-**Schema check at import.** The flash ops are private; their positional arguments (up to
-``return_debug_mask`` forward) and outputs, and the ``scale`` keyword, are checked against what this module
-passes (:func:`flash_schema_problem`). Later releases add keyword arguments, which do not matter. A mismatch
-disables the flash branch with one warning naming the torch version: CUDA then runs ``padded``.
+**Schema check at import.** The flash ops are private; what this module passes and reads is checked against
+their schemas (:func:`flash_schema_problem`): each positional argument (up to ``return_debug_mask`` forward)
+by type and name, the outputs by count and type and, where torch names them, by name (the forward's
+``output``, ``softmax_logsumexp``, ``rng_state``, ``unused``, ``debug_attn_mask``, in that order; the
+backward's are unnamed in torch 2.11 and 2.13), and the ``scale`` keyword. Names that torch changed with the
+same meaning are accepted (``philox_seed``/``philox_offset`` before 2.7). Later releases add keyword arguments
+with defaults, which do not matter; a new keyword-only argument without a default would make the first call a
+TypeError, so it is refused. A mismatch disables the flash branch with one warning naming the torch version and
+what differs: CUDA then runs ``padded``.
 """
 
 from __future__ import annotations
@@ -44,7 +55,7 @@ BACKWARD_OP = "wikipretrain::varlen_attn_backward"
 FLASH_DTYPES = (torch.bfloat16, torch.float16)
 _aten: Any = torch.ops.aten  # the flash ops are called through this name (tests record the calls)
 
-# What this module passes to the flash ops, by position, and what it reads back (types as torch prints them).
+# What this module passes to the flash ops, by position, and what it reads back: (name, type as torch prints it).
 FLASH_FORWARD_ARGS = (
     ("query", "Tensor"),
     ("key", "Tensor"),
@@ -57,7 +68,13 @@ FLASH_FORWARD_ARGS = (
     ("is_causal", "bool"),
     ("return_debug_mask", "bool"),
 )
-FLASH_FORWARD_RETURNS = ("Tensor",) * 5  # output, logsumexp, rng_state (philox seed), unused (offset), debug mask
+FLASH_FORWARD_RETURNS = (
+    ("output", "Tensor"),
+    ("softmax_logsumexp", "Tensor"),
+    ("rng_state", "Tensor"),  # the philox seed and offset
+    ("unused", "Tensor"),
+    ("debug_attn_mask", "Tensor"),
+)
 FLASH_BACKWARD_ARGS = (
     ("grad_out", "Tensor"),
     ("query", "Tensor"),
@@ -71,30 +88,52 @@ FLASH_BACKWARD_ARGS = (
     ("max_k", "int"),
     ("dropout_p", "float"),
     ("is_causal", "bool"),
-    ("rng_state", "Tensor"),  # philox_seed before torch 2.7: same type, same place
-    ("unused", "Tensor"),  # philox_offset before torch 2.7
+    ("rng_state", "Tensor"),
+    ("unused", "Tensor"),
 )
-FLASH_BACKWARD_RETURNS = ("Tensor",) * 3
+# unnamed in torch 2.11 and 2.13; should torch name them, the names of _scaled_dot_product_flash_attention_backward's
+FLASH_BACKWARD_RETURNS = (("grad_query", "Tensor"), ("grad_key", "Tensor"), ("grad_value", "Tensor"))
 FLASH_KEYWORDS = (("scale", "Optional[float]"),)
+FLASH_FORMER_NAMES = {"rng_state": "philox_seed", "unused": "philox_offset"}
+"""Names of the same argument or output, in the same place with the same type, before torch 2.7."""
+
+
+def _fits(name: str, expected: str) -> bool:
+    return name == expected or name == FLASH_FORMER_NAMES.get(expected)
 
 
 def flash_schema_problem(forward: Any, backward: Any) -> str | None:
     """What in the flash ops' schemas (``torch._C.FunctionSchema``) differs from what this module passes and
-    reads, or None. Positional arguments by place and type (names changed across releases with the same
-    meaning), outputs by count and type, and the keywords it passes; keywords it does not pass are not read."""
+    reads, or None: each positional argument it passes by place, type and name (or its former name,
+    ``FLASH_FORMER_NAMES``), no further required positional or keyword-only argument, the outputs by count, type
+    and, where the schema names them, name, and the keywords it passes. Keywords with a default that it does not
+    pass are not read. The first difference found, as one line naming the op, the place and both sides."""
+    passed = {name for name, _ in FLASH_KEYWORDS}
     for schema, args, returns in (
         (forward, FLASH_FORWARD_ARGS, FLASH_FORWARD_RETURNS),
         (backward, FLASH_BACKWARD_ARGS, FLASH_BACKWARD_RETURNS),
     ):
-        positional = [(a.name, str(a.type)) for a in schema.arguments if not a.kwarg_only]
-        if [t for _, t in positional[: len(args)]] != [t for _, t in args]:
-            return f"{schema.name} takes {positional[: len(args)]} where {list(args)} was expected"
-        extra = [a for a in schema.arguments[len(args) :] if not a.kwarg_only and not a.has_default_value()]
+        positional = [a for a in schema.arguments if not a.kwarg_only]
+        for i, (name, kind) in enumerate(args):
+            if i >= len(positional):
+                return f"{schema.name} takes {len(positional)} positional arguments where {len(args)} are passed"
+            got = positional[i]
+            if str(got.type) != kind or not _fits(got.name, name):
+                return f"{schema.name} argument {i} is {got.name}: {got.type} where {name}: {kind} was expected"
+        extra = [a.name for a in positional[len(args) :] if not a.has_default_value()]
         if extra:
-            return f"{schema.name} requires more positional arguments: {[a.name for a in extra]}"
-        got = tuple(str(r.type) for r in schema.returns)
-        if got != returns:
-            return f"{schema.name} returns {got} where {returns} was expected"
+            return f"{schema.name} requires more positional arguments: {extra}"
+        missing = [
+            a.name for a in schema.arguments if a.kwarg_only and not a.has_default_value() and a.name not in passed
+        ]
+        if missing:
+            return f"{schema.name} requires keyword arguments that are not passed: {missing}"
+        if len(schema.returns) != len(returns):
+            return f"{schema.name} returns {len(schema.returns)} outputs where {len(returns)} were expected"
+        for i, ((name, kind), got) in enumerate(zip(returns, schema.returns)):
+            if str(got.type) != kind or (got.name and not _fits(got.name, name)):
+                shown = got.name or "(unnamed)"
+                return f"{schema.name} output {i} is {shown}: {got.type} where {name}: {kind} was expected"
     keywords = {a.name: str(a.type) for a in forward.arguments if a.kwarg_only}
     keywords_back = {a.name: str(a.type) for a in backward.arguments if a.kwarg_only}
     for name, kind in FLASH_KEYWORDS:
@@ -219,7 +258,31 @@ def _cpu_backward(grad, q, k, v, cu, p: float, seed: torch.Tensor):
     return dq, dk, dv
 
 
+def check_flash_inputs(op: str, cu_seqlens: torch.Tensor, q: torch.Tensor, *others: torch.Tensor) -> None:
+    """Refuse, with ``torch._check`` and ``op``'s name, what torch's flash variable-length kernel refuses of what
+    this module passes (its ``mha_varlen_fwd`` / ``mha_varlen_bwd`` checks): ``q`` (and ``others``, of q's dtype)
+    BF16 or FP16, a head size that is a multiple of 8 and at most 256, ``cu_seqlens`` int32 with at least two
+    entries (one sequence). The CUDA branch's real and fake implementations both call it, so the fake one refuses
+    what the kernel would (under ``FakeTensorMode`` and while ``torch.compile`` traces, on any machine)."""
+    where = f"{op} on CUDA (torch's flash kernel)"
+    dtypes = [x.dtype for x in (q, *others)]
+    torch._check(q.dtype in FLASH_DTYPES, lambda: f"{where}: q/k/v are {q.dtype}, it takes BF16 or FP16")
+    torch._check(all(d == q.dtype for d in dtypes), lambda: f"{where}: q/k/v of mixed dtypes {dtypes}")
+    head = q.size(-1)  # the messages read symbolic sizes as ints (a trace that fails no longer needs them symbolic)
+    torch._check(head % 8 == 0, lambda: f"{where}: head size {int(head)}, it takes a multiple of 8 (at most 256)")
+    torch._check(head <= 256, lambda: f"{where}: head size {int(head)}, it takes at most 256")
+    torch._check(cu_seqlens.dtype == torch.int32, lambda: f"{where}: cu_seqlens is {cu_seqlens.dtype}, it takes int32")
+    torch._check(cu_seqlens.dim() == 1, lambda: f"{where}: cu_seqlens has shape {list(cu_seqlens.shape)}, not [B + 1]")
+    torch._check(
+        cu_seqlens.size(0) >= 2,
+        lambda: (
+            f"{where}: cu_seqlens has {int(cu_seqlens.size(0))} entries, it takes at least one sequence (2 entries)"
+        ),
+    )
+
+
 def _flash_forward(q, k, v, cu, max_seqlen: int, p: float):
+    check_flash_inputs(OP, cu, q, k, v)
     out, lse, rng_state, unused, _ = _aten._flash_attention_forward(
         q, k, v, cu, cu, max_seqlen, max_seqlen, p, False, False, scale=_scale(q.size(-1))
     )
@@ -250,7 +313,7 @@ def varlen_attn(
 
 @varlen_attn.register_fake
 def _(q, k, v, cu_seqlens, max_seqlen, dropout_p):
-    if q.device.type == "cuda":  # the flash op's own fake implementation gives its outputs' shapes
+    if q.device.type == "cuda":  # the kernel's preconditions checked, then the flash op's own fake implementation
         return _flash_forward(q, k, v, cu_seqlens, max_seqlen, dropout_p)
     return torch.empty_like(q, memory_format=torch.contiguous_format), *_aux_cpu(q, q.new_empty(1, dtype=torch.int64))
 
@@ -275,6 +338,7 @@ def varlen_attn_backward(
 
 
 def _flash_backward(grad, q, k, v, out, lse, rng_state, unused, cu, max_seqlen: int, p: float):
+    check_flash_inputs(BACKWARD_OP, cu, q, k, v, out, grad)
     args = (grad.contiguous(), q, k, v, out, lse, cu, cu, max_seqlen, max_seqlen, p, False, rng_state, unused)
     dq, dk, dv = _aten._flash_attention_backward(*args, scale=_scale(q.size(-1)))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()

@@ -4,12 +4,16 @@ On the CPU: its CPU branch against the padded kernel and a float64 reference (fo
 dropout (the kept fraction, the scaling, the same mask in the backward pass and under activation
 checkpointing), ``torch.library.opcheck`` on both ops. The CUDA branch, which calls torch's flash kernel, runs
 here under ``FakeTensorMode`` on fake CUDA tensors: what it passes to the flash ops, in which order, the shapes it
-gets back, and how its backward is wired. The schema check runs against the installed torch, torch 2.11's
-schema and a mutated one. The flash kernel's numbers are the GPU tier's (``tests/test_gpu.py``).
+gets back, and how its backward is wired; a BERT layer on ``model.unpad.packing``'s output through it, and
+the flash kernel's preconditions it checks (eagerly and in a symbolic trace, as torch.compile traces). The
+schema check runs against the installed torch, torch 2.11's schemas and mutated ones (argument and output
+names, a new required keyword). The flash kernel's numbers are the GPU tier's (``tests/test_gpu.py``).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 import types
 import warnings
@@ -17,15 +21,18 @@ import warnings
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.checkpoint import checkpoint
 
 from model import attention as A
-from model import unpad
+from model import bert, unpad
 
 LENGTHS = [5, 0, 17, 9, 1]
 
-# torch 2.11's schemas (the GPU image's torch): no block_table or num_splits keywords yet, the output names
-# since 2.7.
+# torch 2.11's schemas (the GPU image's torch), as its aten/src/ATen/native/native_functions.yaml declares them
+# (pytorch v2.11.0; read from the copy the torch 2.11.0 wheel ships, torchgen/packaged/ATen/native/
+# native_functions.yaml, lines 15260 and 15272): no block_table or num_splits keywords yet (2.13 adds both, with
+# defaults), the argument and output names since 2.7.
 FORWARD_2_11 = (
     "aten::_flash_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? cum_seq_q, Tensor? cum_seq_k, "
     "SymInt max_q, SymInt max_k, float dropout_p, bool is_causal, bool return_debug_mask, *, float? scale=None, "
@@ -237,3 +244,171 @@ def test_the_schema_check_passes_this_torch_and_2_11_and_refuses_a_changed_schem
     monkeypatch.setattr(A, "FLASH_SCHEMA_PROBLEM", "changed")
     assert not A.flash_usable(torch.device("cuda"), torch.bfloat16, 64, capability=(9, 0))
     assert unpad.default_kernel("cuda", torch.bfloat16, 64) == "padded"
+
+
+CUDA = torch.device("cuda")
+FLASH_CASES = {  # head size, q/k/v dtype, the batch's row lengths, cu_seqlens' dtype as passed on, message
+    "BF16, head size 64": (64, torch.bfloat16, LENGTHS, torch.int32, None),
+    "int64 cu_seqlens": (64, torch.bfloat16, LENGTHS, torch.int64, "cu_seqlens is torch.int64, it takes int32"),
+    "head size 60": (60, torch.bfloat16, LENGTHS, torch.int32, "head size 60, it takes a multiple of 8"),
+    "FP32": (64, torch.float32, LENGTHS, torch.int32, "q/k/v are torch.float32, it takes BF16 or FP16"),
+    "zero sequences": (64, torch.bfloat16, [], torch.int32, "cu_seqlens has 1 entries, it takes at least one"),
+}
+
+
+def packed_batch(lengths: list[int], width: int = 20) -> unpad.Packing:
+    """``model.unpad.packing`` of a padded ``[len(lengths), width]`` batch whose rows hold ``lengths`` tokens."""
+    mask = torch.arange(width) < torch.tensor(lengths, dtype=torch.long).view(-1, 1)
+    return unpad.packing(mask.long())
+
+
+def fake_cuda(mode: FakeTensorMode, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fake CUDA copy of ``t`` (shape and dtype, no data, no GPU). Through ``aten._to_copy`` itself:
+    ``Tensor.to("cuda")`` initialises CUDA first, which a CPU build of torch refuses even for a fake tensor."""
+    return torch.ops.aten._to_copy.default(mode.from_tensor(t), device=CUDA, dtype=dtype)
+
+
+def fake_cuda_layer(mode: FakeTensorMode, layer: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of ``layer`` with fake CUDA parameters of ``dtype`` that need no gradient: autograd on a fake CUDA
+    tensor asks for CUDA's device guard, which a CPU build of torch lacks (the process aborts), so the tests below
+    call the backward op directly."""
+    layer = copy.deepcopy(layer)
+    real = [(m, name, p.detach()) for m in layer.modules() for name, p in m._parameters.items() if p is not None]
+    with mode:
+        for module, name, p in real:
+            module._parameters[name] = torch.nn.Parameter(fake_cuda(mode, p, dtype), requires_grad=False)
+    return layer
+
+
+@pytest.fixture(scope="module")
+def bert_layers() -> dict[int, torch.nn.Module]:
+    """A post-LN BERT layer of 2 heads (``transformers``' BertLayer, as ``model.bert`` builds it) per head size."""
+    specs = {h: bert.BertSpec(f"h{h}", 1, 2 * h, 2, 4 * h, vocab_size=64, max_positions=32) for h in (64, 60)}
+    return {h: bert.build_hf_bert(spec).bert.encoder.layer[0] for h, spec in specs.items()}
+
+
+def refused(op: str, message: str) -> str:
+    return "^" + re.escape(f"{op} on CUDA (torch's flash kernel): {message}")
+
+
+@pytest.mark.parametrize("case", list(FLASH_CASES))
+def test_the_cuda_branch_refuses_what_the_flash_kernel_refuses(case: str, bert_layers, monkeypatch) -> None:
+    """On fake CUDA tensors (no GPU): ``model.unpad.packing``'s output and a BERT layer in training mode (dropout
+    0.1) as ``model.compile`` runs it whole (``unpad.packed_layer``, kernel varlen) through the operator, and its
+    backward op called directly. BF16 at head size 64 runs; each input torch's flash kernel refuses raises this
+    module's message from the forward op's fake implementation and from the backward op's, and again where a
+    symbolic trace (what torch.compile's AOTAutograd runs) meets the operator. ``packing`` gives int32 and
+    ``flash_usable`` (an H100's capability) refuses FP32 and head size 60 before the operator (unpad raises);
+    waved through, the operator's own checks refuse them."""
+    head, dtype, lengths, cu_dtype, message = FLASH_CASES[case]
+    pack = packed_batch(lengths)
+    assert pack.cu_seqlens.dtype == torch.int32 and pack.cu_seqlens.numel() == len(lengths) + 1
+    cu, t, p = pack.cu_seqlens.to(cu_dtype), pack.indices.numel(), 0.1
+    h100 = functools.partial(A.flash_usable, capability=(9, 0))
+    usable = h100(CUDA, dtype, head)
+    assert usable == (case not in ("head size 60", "FP32"))
+    mode = FakeTensorMode()
+    layer = fake_cuda_layer(mode, bert_layers[head], dtype)
+    assert layer.training and layer.attention.self.dropout.p == p
+    with mode, torch.no_grad():
+        x = torch.empty(t, 2 * head, device=CUDA, dtype=dtype)
+        fields = (fake_cuda(mode, pack.indices), fake_cuda(mode, cu), pack.max_seqlen, pack.batch, pack.seq_len)
+
+        def run_layer(flash_usable) -> torch.Tensor:
+            monkeypatch.setattr(A, "flash_usable", flash_usable)
+            return unpad.packed_layer(layer, False, x, *fields, "varlen")
+
+        q = torch.empty(t, 2, head, device=CUDA, dtype=dtype)
+        lse = torch.empty(2, t, device=CUDA)
+        rng_state, unused = (torch.empty(n, device=CUDA, dtype=torch.uint64) for n in ((2,), ()))
+        backward = functools.partial(A.varlen_attn_backward, q, q, q, q, q, lse, rng_state, unused, fields[1])
+        if message is None:
+            out = run_layer(h100)
+            assert out.shape == (t, 2 * head) and out.dtype == dtype and out.device.type == "cuda"
+            assert all(g.shape == q.shape and g.dtype == dtype for g in backward(pack.max_seqlen, p))
+        else:
+            if not usable:
+                with pytest.raises(ValueError, match=f"not cuda {dtype} head size {head}: use padded$"):
+                    run_layer(h100)
+            with pytest.raises(RuntimeError, match=refused(A.OP, message)):
+                run_layer(lambda *_, **__: True)
+            with pytest.raises(RuntimeError, match=refused(A.BACKWARD_OP, message)):
+                backward(pack.max_seqlen, p)
+
+    def traced(q: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
+        q, cu = (torch.ops.aten._to_copy.default(a, device=CUDA) for a in (q, cu))
+        return A.attention(q, q, q, cu, pack.max_seqlen, p)
+
+    trace = functools.partial(make_fx(traced, tracing_mode="symbolic"), torch.zeros(t, 2, head, dtype=dtype), cu)
+    if message is None:
+        graph = trace()
+        assert [n.target for n in graph.graph.nodes].count(torch.ops.wikipretrain.varlen_attn.default) == 1
+    else:
+        with pytest.raises(RuntimeError, match=refused(A.OP, message)):
+            trace()
+
+
+def installed_schemas() -> tuple[str, str]:
+    """The installed torch's (2.13 here) flash schemas, as text."""
+    ops = torch.ops.aten
+    return str(ops._flash_attention_forward.default._schema), str(ops._flash_attention_backward.default._schema)
+
+
+def test_the_schema_check_reads_names_and_keeps_former_ones() -> None:
+    """Torch 2.11's and the installed torch's schemas fit; so do the names before torch 2.7 (``philox_seed``,
+    ``philox_offset``: forward outputs and backward arguments) and forward outputs left unnamed (count and
+    type)."""
+    parse = torch._C.parse_schema
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning where the schemas fit
+        for forward, backward in ((FORWARD_2_11, BACKWARD_2_11), installed_schemas()):
+            assert A.check_flash_schemas(parse(forward), parse(backward)) is None
+            former = [
+                s.replace("rng_state", "philox_seed").replace("unused", "philox_offset") for s in (forward, backward)
+            ]
+            assert "Tensor philox_seed, Tensor philox_offset, Tensor debug_attn_mask)" in former[0]
+            assert "Tensor philox_seed, Tensor philox_offset, *" in former[1]
+            assert A.check_flash_schemas(parse(former[0]), parse(former[1])) is None
+            unnamed = re.sub(r"-> \(.*\)$", "-> (Tensor, Tensor, Tensor, Tensor, Tensor)", forward)
+            assert unnamed != forward and A.check_flash_schemas(parse(unnamed), parse(backward)) is None
+
+
+SCHEMA_MUTATIONS = {  # op, text, its replacement, the problem line
+    "swapped forward outputs": (
+        "forward",
+        "Tensor softmax_logsumexp, Tensor rng_state",
+        "Tensor rng_state, Tensor softmax_logsumexp",
+        "aten::_flash_attention_forward output 1 is rng_state: Tensor where softmax_logsumexp: Tensor was expected",
+    ),
+    "a new required keyword-only argument": (
+        "forward",
+        "*, float? scale=None,",
+        "*, bool deterministic, float? scale=None,",
+        "aten::_flash_attention_forward requires keyword arguments that are not passed: ['deterministic']",
+    ),
+    "a renamed positional argument": (
+        "backward",
+        "Tensor out, Tensor logsumexp,",
+        "Tensor out, Tensor softmax_lse,",
+        "aten::_flash_attention_backward argument 5 is softmax_lse: Tensor where logsumexp: Tensor was expected",
+    ),
+}
+
+
+@pytest.mark.parametrize("base", ["2.11", "installed"])
+@pytest.mark.parametrize("mutation", list(SCHEMA_MUTATIONS))
+def test_the_schema_check_names_what_a_changed_schema_changes(mutation: str, base: str) -> None:
+    """Each mutation of a schema that fits turns the flash branch off with one warning, its line naming what
+    differs: the place and both names."""
+    forward, backward = (FORWARD_2_11, BACKWARD_2_11) if base == "2.11" else installed_schemas()
+    schemas = {"forward": forward, "backward": backward}
+    op, text, replacement, problem = SCHEMA_MUTATIONS[mutation]
+    assert schemas[op].count(text) == 1
+    schemas[op] = schemas[op].replace(text, replacement)
+    parse = torch._C.parse_schema
+    with pytest.warns(UserWarning) as caught:
+        assert A.check_flash_schemas(parse(schemas["forward"]), parse(schemas["backward"])) == problem
+    assert [str(w.message) for w in caught] == [
+        f"torch {torch.__version__}: the flash variable-length attention is off, CUDA BERT attention runs the "
+        f"padded kernel ({problem})"
+    ]
