@@ -32,13 +32,11 @@ processes share the CPU); the table shows the medians. Targets (from the issue):
 Toy size (CI, seconds, not a measurement): ``--models bert-debug --steps 2 --warmup 1 --repeats 1
 --micro-batch 2 --global-batch 4``.
 
-GPU rows (``--rows``, on one GPU; ``--tiny``: the same rows at debug sizes on CPU, run by CI, asserting that
-both sides produced every figure with MFU in (0, 1], the runs two at a time (``--jobs``): a smoke test, not
-a measurement). Each row is a shipped recipe (configs/) run by ours
-with each of its optimizers and by the Trainer (BF16 autocast, SDPA, fused AdamW; ``--peer-compile``: its
-``torch_compile``) on the same shards, sequence length and batches, at the row's micro-batch; ``--largest``
-then doubles each side's micro-batch until it runs out of device memory (``--largest-cap``) and records the
-runs that fitted:
+GPU rows (``--rows``, on one GPU; ``--tiny``: the same rows at debug sizes on CPU, a smoke test, not a
+measurement). Each row is a shipped recipe (configs/) run by ours with each of its optimizers and by the
+Trainer (BF16 autocast, SDPA, fused AdamW; ``--peer-compile``: its ``torch_compile``) on the same shards,
+sequence length, micro-batch and global batch; ``--largest`` then doubles each side's micro-batch until it runs
+out of device memory (``--largest-cap``):
 
 * ``bert-large-p1``: configs/bert-large-phase1.yaml (seq 128, max_pred 20), LAMB (the recipe's) and LANS,
   ZeRO-1, micro-batch 64, global 1024;
@@ -46,15 +44,19 @@ runs that fitted:
   LAMB and LANS, ZeRO-1, micro-batch 16, global 256;
 * ``neox-1.3b``: configs/neox-1.3b.yaml (seq 2048), AdamW, ZeRO-1, micro-batch 8, global 32.
 
-Per run: sequences/s, tokens/s and MFU (ours: its summary.json, real tokens only; the Trainer: every position
-it computes, dense MLM head, under the same FLOP convention, ``model.flops``), peak device memory, host syncs
-per measured step (CUDA's sync debug mode over the window; none on CPU), the mean optimizer-step time (the
-innermost torch optimizer: LANS/LAMB/AdamW), ours' checkpoint stall (a background save at the step before the
-last: its stall, and stall + write, what a synchronous save stalls), with the device, driver, torch, CUDA,
-DeepSpeed and transformers versions. ``scripts/gpu.sh`` runs them (``ROWS=all``) with the bundle's real
-vocabulary and tokenizer (``--vocab``, ``--tokenizer``); $WIKIPRETRAIN_DEVICE_MEMORY_GIB caps both sides.
+Per run, a record (``--records``: one JSON line appended the moment the run ends, whatever its status: ``ok``,
+``oom``, ``timeout`` past ``--timeout``, ``failed``): row, side, optimizer, micro-batch, global batch, measured
+steps, sequences/s, tokens/s and MFU (ours: its summary.json, real tokens only; the Trainer: every position it
+computes, dense MLM head, under the same FLOP convention, ``model.flops``), peak device memory, the attention
+kernel that ran, host syncs per measured step (CUDA's sync debug mode; none on CPU), the mean optimizer-step
+time, the wall seconds and the command. Timed runs make no checkpoint saves (``checkpoint.final_save=false``;
+``benchmarks/bench_checkpoint_stall.py`` measures the stall). ``--only`` picks runs (``ours:lans``, ``peer``,
+``profile``: ours under ``torch.profiler``, the top kernels and the share neither matmul nor attention, in
+``--profile-out``); ``--data-only`` builds the shards. ``scripts/gpu.sh`` runs them one at a time against its
+calls' deadlines with the bundle's real vocabulary and tokenizer; $WIKIPRETRAIN_DEVICE_MEMORY_GIB caps both
+sides.
 
-    python benchmarks/bench_train.py --rows all --largest --vocab V --tokenizer T --json rows.json   # GPU
+    python benchmarks/bench_train.py --rows bert-large-p1 --only ours:lans,peer --vocab V --records rows.jsonl
     python benchmarks/bench_train.py --tiny                                                         # CPU, ~1 min
 
 ``Trainer`` needs ``accelerate`` (>= 1.1), which the project itself does not use (the ``bench`` and ``dev``
@@ -65,13 +67,17 @@ extras install it): ``pip install accelerate``, or ``pip install --no-deps --tar
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -121,6 +127,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     rows.add_argument(
         "--jobs", type=int, default=None, help="runs at once (1; --tiny: 2, not a measurement; never on a GPU)"
     )
+    rows.add_argument(
+        "--only",
+        default=None,
+        help="these runs of each row only, comma-separated: ours:OPTIMIZER (ours: the row's last), peer, profile "
+        "(train.py under torch.profiler: the top kernels and the time outside matmuls and attention)",
+    )
+    rows.add_argument("--records", default=None, help="append one JSON line per run to this file as each run ends")
+    rows.add_argument("--timeout", type=float, default=None, help="cut each run after this many seconds")
+    rows.add_argument("--profile-out", default=None, help="--only profile: write the profile's tables here")
+    rows.add_argument("--data-only", action="store_true", help="build (or reuse) the rows' shards, run nothing")
     args = p.parse_args(argv)
     rows_mode = bool(args.rows or args.tiny)
     for key, plain, in_rows in (
@@ -162,16 +178,45 @@ def subprocess_env(threads: int, extra_path: str | None = None) -> dict[str, str
     return env
 
 
-def run_logged(cmd: list[str], log_path: Path, env: dict[str, str], what: str) -> float:
-    """Run a command with its output in ``log_path``; a failure names the log. Returns the wall time."""
+class RunFailed(UserError):
+    """A measured command that failed (``status`` ``failed``) or was cut at its time limit (``timeout``)."""
+
+    def __init__(self, message: str, status: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def run_logged(cmd: list[str], log_path: Path, env: dict[str, str], what: str, timeout: float | None = None) -> float:
+    """Run a command with its output in ``log_path``, in a session of its own so that ``timeout`` (seconds)
+    ends it with everything it started (a launcher's ranks: SIGTERM, SIGKILL 10 s later); a failure or a cut
+    names the log (:class:`RunFailed`). Returns the wall time."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as f:
-        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _end_group(proc)
+            raise RunFailed(f"{what} cut at its time limit of {timeout:.0f}s; see {log_path}", "timeout") from None
     if rc != 0:
         tail = log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-1:]
-        raise UserError(f"{what} failed with exit code {rc} ({tail[0] if tail else 'no output'}); see {log_path}")
+        raise RunFailed(
+            f"{what} failed with exit code {rc} ({tail[0] if tail else 'no output'}); see {log_path}", "failed"
+        )
     return time.perf_counter() - t0
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``proc``'s process group (the runs make no saves: nothing is lost), then SIGKILL to whatever
+    of the group is left once ``proc`` has ended or 10 s have passed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10.0)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 # ----------------------------------------------------------------------------------------------- data
@@ -236,18 +281,22 @@ def build_data(
             + ["--out", str(paths["gpt"]), "--seq-len", str(args.gpt_seq), "--workers", "2", "--no-progress"],
         ),
     ]
-    wanted = {"text"}
+    wanted = set()
     if "bert" in kinds:
         wanted |= {"bert"} | (set() if vocab else {"vocab"})
     if "gpt" in kinds:
         wanted |= {"gpt"} | (set() if tokenizer else {"tokenizer"})
+
+    def done(name: str) -> bool:
+        out = paths[name]
+        return not args.rebuild and ((out / "manifest.json").exists() if out.suffix == "" else out.exists())
+
+    if not all(done(name) for name in wanted):  # the text only where something is built from it
+        wanted.add("text")
     for name, cmd in steps:
-        if name not in wanted:
+        if name not in wanted or done(name):
             continue
         out = paths[name]
-        done = (out / "manifest.json").exists() if out.suffix == "" else out.exists()
-        if done and not args.rebuild:
-            continue
         cmd = cmd + ["--overwrite"] if name in ("text", "bert", "gpt") else cmd
         dt = run_logged(cmd, work / "logs" / f"data-{name}.log", env, f"python -m data {cmd[3]} ({name})")
         log.info(f"built {name}: {out} ({dt:.1f}s)")
@@ -542,17 +591,6 @@ def row_data(work: Path, row: Row, args: argparse.Namespace) -> dict[str, Any]:
 OOM_SIGNS = ("out of device memory", "OutOfMemoryError", "CUDA out of memory", "CUBLAS_STATUS_ALLOC_FAILED")
 
 
-def _run_unless_out_of_memory(cmd: list[str], log_path: Path, env: dict[str, str], what: str) -> float | None:
-    """``run_logged``, or None when the run failed by running out of device memory (its log says so)."""
-    try:
-        return run_logged(cmd, log_path, env, what)
-    except UserError:
-        text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
-        if any(sign in text for sign in OOM_SIGNS):
-            return None
-        raise
-
-
 def row_shape(row: Row, args: argparse.Namespace, micro: int) -> tuple[str, int]:
     """The row's model at this size (``--tiny``: debug) and its global batch at ``micro``: a whole number of
     micro-batches (the largest-micro search doubles ``micro``)."""
@@ -560,14 +598,11 @@ def row_shape(row: Row, args: argparse.Namespace, micro: int) -> tuple[str, int]
     return (row.tiny_model if args.tiny else row.model), -(-total // micro) * micro
 
 
-def row_ours(row: Row, data: dict[str, Any], args, optimizer: str, micro: int, port: int) -> dict | None:
-    """Ours on the row's recipe (``port``: its MASTER_PORT); None when the micro-batch runs out of device
-    memory."""
-    work = Path(args.work)
+def our_row_overrides(row: Row, data: dict[str, Any], args, optimizer: str, micro: int, run_dir: Path) -> list[str]:
+    """train.py's settings for ours on the row's recipe (``--config row.config``): the row's shards, model, batch
+    and optimizer; no evaluation and no checkpoint saves (``checkpoint.final_save=false``: a timed run must
+    not wait on one; ``benchmarks/bench_checkpoint_stall.py`` measures the stall in a run of its own)."""
     model, global_batch = row_shape(row, args, micro)
-    tag = f"{model}-seq{data['seq']}-{optimizer}-m{micro}"
-    run_dir = work / "runs" / tag
-    shutil.rmtree(run_dir, ignore_errors=True)
     steps = args.warmup + args.steps
     overrides = [
         f"run.dir={run_dir}",
@@ -582,16 +617,25 @@ def row_ours(row: Row, data: dict[str, Any], args, optimizer: str, micro: int, p
         f"train.micro_batch={micro}",
         f"train.global_batch={global_batch}",
         "train.eval_every=0",
-        # one save in the background at the step before the last (its stall, and stall + write: what a
-        # synchronous save of the same checkpoint stalls); the run's final save is synchronous
-        f"checkpoint.every={steps - 1}",
-        "checkpoint.async_save=true",
+        "checkpoint.every=0",
+        "checkpoint.final_save=false",
         "checkpoint.resume=never",
         f"logging.warmup_steps={args.warmup}",
         f"logging.every={steps}",
     ]
     if row.max_pred:
         overrides.append(f"data.max_pred={row.max_pred}")
+    return overrides
+
+
+def row_ours(row: Row, data: dict[str, Any], args, optimizer: str, micro: int, port: int) -> dict:
+    """Ours on the row's recipe (``port``: its MASTER_PORT): its record (:func:`measured`)."""
+    work = Path(args.work)
+    model, global_batch = row_shape(row, args, micro)
+    tag = f"{model}-seq{data['seq']}-{optimizer}-m{micro}"
+    run_dir = work / "runs" / tag
+    shutil.rmtree(run_dir, ignore_errors=True)
+    overrides = our_row_overrides(row, data, args, optimizer, micro, run_dir)
     env = row_env(args)
     env["MASTER_PORT"] = str(port)
     script = str(REPO / "benchmarks" / "bench_train_ours.py")
@@ -601,33 +645,26 @@ def row_ours(row: Row, data: dict[str, Any], args, optimizer: str, micro: int, p
         cmd = [*launcher, "--master_port", str(port), script, "--config", row.config, *overrides]
     else:
         cmd = [sys.executable, script, "--config", row.config, *overrides, f"run.threads_per_rank={args.threads}"]
-    wall = _run_unless_out_of_memory(cmd, work / "logs" / f"{tag}.log", env, f"train.py ({tag})")
-    if wall is None:
-        return None
-    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-    probe = json.loads((run_dir / "bench_cpu.json").read_text(encoding="utf-8"))
-    from training import events
+    head = {"row": row_name(row), "side": "ours", "optimizer": optimizer}
+    head.update(micro_batch=micro, global_batch=global_batch)
 
-    saves = [e for e in events.read(run_dir) if e["event"] == "checkpoint"]
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-    background = next((e for e in saves if "write_s" in e), {})
-    return {
-        "side": "ours",
-        "optimizer": optimizer,
-        "micro_batch": micro,
-        "global_batch": global_batch,
-        **{k: summary.get(k) for k in ("sequences_per_sec", "tokens_per_sec", "mfu", "peak_memory_bytes")},
-        **{k: probe.get(k) for k in ("host_syncs_per_step", "optimizer_step_s")},
-        "checkpoint_stall_s": background.get("save_s"),
-        "checkpoint_sync_stall_s": background["save_s"] + background["write_s"] if background else None,
-        "padding_fraction": summary.get("padding_fraction"),
-        "first_step_s": summary.get("first_step_s"),
-        "wall_s": wall,
-    }
+    def figures() -> dict:
+        summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+        probe = json.loads((run_dir / "bench_cpu.json").read_text(encoding="utf-8"))
+        keep = ("sequences_per_sec", "tokens_per_sec", "mfu", "peak_memory_bytes", "attention_kernel")
+        return {
+            **{k: summary.get(k) for k in keep},
+            **{k: probe.get(k) for k in ("host_syncs_per_step", "optimizer_step_s")},
+            "measured_steps": summary.get("measured_steps"),
+            "padding_fraction": summary.get("padding_fraction"),
+            "first_step_s": summary.get("first_step_s"),
+        }
+
+    return measured(head, cmd, work / "logs" / f"{tag}.log", env, f"train.py ({tag})", args, figures)
 
 
-def row_peer(row: Row, data: dict[str, Any], args, micro: int) -> dict | None:
-    """The Trainer on the same shards and shapes; None when the micro-batch runs out of device memory."""
+def row_peer(row: Row, data: dict[str, Any], args, micro: int) -> dict:
+    """The Trainer on the same shards and shapes: its record (:func:`measured`)."""
     work = Path(args.work)
     model, global_batch = row_shape(row, args, micro)
     tag = f"{model}-seq{data['seq']}-peer-m{micro}"
@@ -639,50 +676,123 @@ def row_peer(row: Row, data: dict[str, Any], args, micro: int) -> dict | None:
     gpu = on_gpu(args)
     cmd += ["--workers", "2" if gpu else "1", "--out", str(out), "--device", "cuda" if gpu else "cpu"]
     cmd += ["--compile"] if args.peer_compile else []
-    wall = _run_unless_out_of_memory(
-        cmd, work / "logs" / f"{tag}.log", row_env(args, args.peer_site), f"Trainer ({tag})"
-    )
-    if wall is None:
-        return None
-    rec = json.loads(out.read_text(encoding="utf-8"))
-    keep = ("sequences_per_sec", "tokens_per_sec", "mfu", "peak_memory_bytes", "host_syncs_per_step")
-    return {
-        "side": "peer",
-        "optimizer": rec.get("optimizer"),
-        "micro_batch": micro,
-        "global_batch": global_batch,
-        **{k: rec.get(k) for k in keep},
-        "optimizer_step_s": rec.get("optimizer_step_s"),
-        "checkpoint_stall_s": None,
-        "checkpoint_sync_stall_s": None,
-        "compile": rec.get("compile"),
-        "wall_s": wall,
-    }
+    head = {"row": row_name(row), "side": "peer", "optimizer": "adamw_torch_fused"}
+    head.update(micro_batch=micro, global_batch=global_batch)
+
+    def figures() -> dict:
+        rec = json.loads(out.read_text(encoding="utf-8"))
+        keep = ("optimizer", "sequences_per_sec", "tokens_per_sec", "mfu", "peak_memory_bytes")
+        keep += ("host_syncs_per_step", "optimizer_step_s", "attention_kernel", "compile")
+        return {**{k: rec.get(k) for k in keep}, "measured_steps": args.steps}
+
+    env = row_env(args, args.peer_site)
+    return measured(head, cmd, work / "logs" / f"{tag}.log", env, f"Trainer ({tag})", args, figures)
+
+
+def row_profile(row: Row, data: dict[str, Any], args, optimizer: str, micro: int, port: int) -> dict:
+    """Ours as :func:`row_ours` runs it, in one process under ``torch.profiler``
+    (``benchmarks/bench_train_profile.py``): its tables (the top kernels by device time, and the shares of
+    matmuls, attention and the rest) in ``--profile-out``; its record has the shares."""
+    work = Path(args.work)
+    model, global_batch = row_shape(row, args, micro)
+    tag = f"{model}-seq{data['seq']}-{optimizer}-m{micro}-profile"
+    run_dir = work / "runs" / tag
+    shutil.rmtree(run_dir, ignore_errors=True)
+    shares = work / "runs" / f"{tag}.json"
+    shares.unlink(missing_ok=True)
+    script = str(REPO / "benchmarks" / "bench_train_profile.py")
+    cmd = [sys.executable, script, "--threads", str(args.threads), "--top", "25", "--config", row.config]
+    cmd += ["--shares", str(shares), "--", *our_row_overrides(row, data, args, optimizer, micro, run_dir)]
+    env = row_env(args)
+    env["MASTER_PORT"] = str(port)
+    head = {"row": row_name(row), "side": "profile", "optimizer": optimizer}
+    head.update(micro_batch=micro, global_batch=global_batch)
+    log_path = work / "logs" / f"{tag}.log"
+
+    def figures() -> dict:
+        if args.profile_out:
+            shutil.copyfile(log_path, args.profile_out)
+        return json.loads(shares.read_text(encoding="utf-8"))
+
+    return measured(head, cmd, log_path, env, f"profile ({tag})", args, figures)
+
+
+def measured(head: dict, cmd: list[str], log_path: Path, env: dict[str, str], what: str, args, figures) -> dict:
+    """Run one side's command (cut at ``--timeout``) and return its record: ``head``, ``status`` (``ok``, or
+    ``oom``: out of device memory, ``timeout``, ``failed``, with its ``error`` line), the figures
+    (``figures()``) of a run that ended well, the wall seconds and the command; appended to ``--records`` the
+    moment the run ends, whatever its status."""
+    rec: dict[str, Any] = {**head, "status": "ok", "warmup": args.warmup}
+    t0 = time.perf_counter()
+    try:
+        run_logged(cmd, log_path, env, what, timeout=args.timeout)
+        rec.update(figures())
+    except RunFailed as e:
+        text = log_path.read_text(encoding="utf-8", errors="replace") if log_path.exists() else ""
+        oom = e.status == "failed" and any(sign in text for sign in OOM_SIGNS)
+        rec.update(status="oom" if oom else e.status, error=str(e))
+    rec.update(wall_s=round(time.perf_counter() - t0, 2), log=str(log_path), command=shlex.join(cmd))
+    append_record(args, rec)
+    return rec
+
+
+_RECORDS_LOCK = threading.Lock()
+
+
+def append_record(args: argparse.Namespace, rec: dict) -> None:
+    """Append ``rec`` (with the device) to ``--records`` as one JSON line, flushed to disk:
+    a run cut later, or a call cut at its deadline, keeps every record written before."""
+    if not args.records:
+        return
+    line = json.dumps({"device": args.device, **rec}) + "\n"
+    with _RECORDS_LOCK, open(args.records, "a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def largest(run, start: int, cap: int) -> tuple[list[dict], int | None, bool]:
-    """Double the micro-batch from ``start`` while it fits (up to ``cap``): the runs that fitted, the largest
-    micro-batch that did (None if even ``start`` did not) and whether the search stopped at ``cap`` rather
-    than at a run that failed. Any failure ends the search (out of memory by another name, or a kernel's
-    limit at that size): the shared-micro-batch figures already stand; the failure is logged."""
+    """Double the micro-batch from ``start`` while it fits (up to ``cap``): the runs (every record, the one
+    that ended the search included), the largest micro-batch that fitted (None if even ``start`` did not) and
+    whether the search stopped at ``cap`` rather than at a run that did not end well (out of memory, or a
+    kernel's limit at that size: logged; the shared-micro-batch figures already stand)."""
     runs: list[dict] = []
     fitted, micro = None, start
     while micro <= cap:
-        try:
-            rec = run(micro)
-        except UserError as e:
-            log.warning(f"largest micro-batch search: micro-batch {micro} failed, ending the search ({e})")
-            rec = None
-        if rec is None:
-            return runs, fitted, False
+        rec = run(micro)
         runs.append(rec)
+        if rec["status"] != "ok":
+            if rec["status"] != "oom":
+                log.warning(f"largest micro-batch search: micro-batch {micro} {rec['status']}, ending the search")
+            return runs, fitted, False
         fitted, micro = micro, micro * 2
     return runs, fitted, True
 
 
+def selected_runs(row: Row, only: str | None) -> list[tuple[str, str | None]]:
+    """The (side, optimizer) runs of ``row`` that ``--only`` names (``ours:OPT``, or ``ours``: the row's last
+    optimizer; ``peer``; ``profile``: ours with the row's last optimizer under the profiler), in that order;
+    the row's shared runs (ours with each optimizer, the Trainer) when None."""
+    runs: list[tuple[str, str | None]] = [("ours", opt) for opt in row.optimizers] + [("peer", None)]
+    if only is None:
+        return runs
+    known = [*runs, ("profile", row.optimizers[-1])]
+    chosen = []
+    for item in (x.strip() for x in only.split(",") if x.strip()):
+        side, _, opt = item.partition(":")
+        run = (side, opt or (row.optimizers[-1] if side in ("ours", "profile") else None))
+        if run not in known:
+            raise UserError(
+                f"--only {item}: not a run of this row (runs: ours:{'|'.join(row.optimizers)}, peer, profile)"
+            )
+        chosen.append(run)
+    return chosen
+
+
 def run_rows(args: argparse.Namespace) -> int:
-    """``--rows``/``--tiny``: each row's shared-micro-batch runs (ours with each optimizer, the Trainer), then
-    with ``--largest`` each side's largest micro-batch; a table and ``--json``."""
+    """``--rows``/``--tiny``: each row's shared-micro-batch runs (ours with each optimizer, the Trainer; or
+    those ``--only`` names), then with ``--largest`` each side's largest micro-batch; a table, ``--json``,
+    and a record per run in ``--records`` as each ends. ``--data-only``: the rows' shards, nothing run."""
     names = list(ROWS) if args.rows in ("all", None) else [r.strip() for r in args.rows.split(",") if r.strip()]
     unknown = [n for n in names if n not in ROWS]
     if unknown:
@@ -693,28 +803,43 @@ def run_rows(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.warmup < 1:
         raise UserError(f"--steps={args.steps} and --warmup={args.warmup} must be at least 1 in rows mode")
     if args.jobs is None:
-        args.jobs = 2 if args.tiny else 1
+        args.jobs = 2 if args.tiny and not args.only else 1
     if args.jobs < 1 or (args.jobs > 1 and on_gpu(args)):
         raise UserError(f"--jobs={args.jobs}: 1 on a GPU (its runs share one device), at least 1 elsewhere")
+    plan = {name: selected_runs(ROWS[name], args.only) for name in names}
     for name in names:
         micro, total = args.micro_batch or ROWS[name].micro, args.global_batch or ROWS[name].global_batch
         if micro <= 0 or total % micro:
             raise UserError(f"row {name}: global batch {total} is not a multiple of micro-batch {micro}")
-    check_peer_available(args.peer_site)
+    if not args.data_only and any(side == "peer" for runs in plan.values() for side, _ in runs):
+        check_peer_available(args.peer_site)
     work = Path(args.work).resolve()
     args.work = str(work)
     work.mkdir(parents=True, exist_ok=True)
+    shards_of = {name: row_data(work, ROWS[name], args) for name in names}
+    if args.data_only:
+        for name, data in shards_of.items():
+            print(f"{name}: {data['data']} (seq {data['seq']}; vocabulary {data['vocab']})")
+        return 0
     ports = Ports(args.port)
     meta = versions(args)
+    args.device = meta["device"]
     log.info("versions: " + ", ".join(f"{k} {v}" for k, v in meta.items()))
     results: dict[str, dict] = {}
-    shards_of = {name: row_data(work, ROWS[name], args) for name in names}
     with RunQueue(args.jobs) as queue:
         queued = {}
         for name in names:  # each row's shared-micro-batch runs: with --jobs > 1, every row's queued at once
             row, data, micro = ROWS[name], shards_of[name], args.micro_batch or ROWS[name].micro
-            shared = [partial(row_ours, row, data, args, opt, micro, ports.take()) for opt in row.optimizers]
-            queued[name] = queue.put([*shared, partial(row_peer, row, data, args, micro)])
+            queued[name] = queue.put(
+                [
+                    partial(row_peer, row, data, args, micro)
+                    if side == "peer"
+                    else partial(
+                        row_profile if side == "profile" else row_ours, row, data, args, opt, micro, ports.take()
+                    )
+                    for side, opt in plan[name]
+                ]
+            )
         for name in names:
             t0 = time.perf_counter()
             row_results(name, shards_of[name], queue.results(queued[name]), results, args, ports)
@@ -725,27 +850,35 @@ def run_rows(args: argparse.Namespace) -> int:
 
                 atomic_write_json(Path(args.json), {"versions": meta, "args": vars(args), "rows": results})
     print(rows_table(results, meta, args))
+    runs = [r for res in results.values() for r in res["runs"]]
+    bad = [f"{r['row']} {r['side']} {r['optimizer']}: {r['status']}" for r in runs if r["status"] != "ok"]
     if args.tiny:
         check_tiny(results)
+    if bad and not args.largest:
+        raise UserError(f"runs that did not end well: {'; '.join(bad)} (their logs are under {work / 'logs'})")
     return 0
 
 
+def row_name(row: Row) -> str:
+    return next(name for name, known in ROWS.items() if known is row)
+
+
 def row_results(
-    name: str, data: dict[str, Any], runs: list[dict | None], results: dict, args: argparse.Namespace, ports: Ports
+    name: str, data: dict[str, Any], runs: list[dict], results: dict, args: argparse.Namespace, ports: Ports
 ) -> None:
     """A row's entry in ``results``: its shared-micro-batch runs, then with ``--largest`` each side's largest
-    micro-batch (searched one run at a time)."""
+    micro-batch (searched one run at a time), for the sides that fitted at the shared micro-batch."""
     row, micro = ROWS[name], args.micro_batch or ROWS[name].micro
-    if any(r is None for r in runs):
-        raise UserError(f"row {name}: micro-batch {micro} does not fit one side; give a smaller --micro-batch")
     fits: dict[str, str] = {"ours": "-", "peer": "-"}  # "-": not searched (no --largest)
     if args.largest:
 
-        def ours_at(micro: int) -> dict | None:
+        def ours_at(micro: int) -> dict:
             return row_ours(row, data, args, row.optimizers[-1], micro, ports.take())
 
         peer_at = partial(row_peer, row, data, args)
         for side, run in (("ours", ours_at), ("peer", peer_at)):
+            if not any(r["side"] == side and r["status"] == "ok" for r in runs):
+                continue
             more, fitted, capped = largest(lambda m, run=run: run(micro=m), micro * 2, args.largest_cap)
             runs += more
             fits[side] = f">= {fitted or micro}" if capped else str(fitted or micro)
@@ -760,10 +893,10 @@ class RunQueue:
     def __init__(self, jobs: int) -> None:
         self.pool = ThreadPoolExecutor(max_workers=jobs) if jobs > 1 else None
 
-    def put(self, runs: list[Callable[[], dict | None]]) -> list:
+    def put(self, runs: list[Callable[[], dict]]) -> list:
         return [self.pool.submit(run) for run in runs] if self.pool else runs
 
-    def results(self, queued: list) -> list[dict | None]:
+    def results(self, queued: list) -> list[dict]:
         return [q.result() for q in queued] if self.pool else [run() for run in queued]
 
     def __enter__(self) -> RunQueue:
@@ -775,12 +908,13 @@ class RunQueue:
 
 
 def check_tiny(results: dict[str, dict]) -> None:
-    """Every row has both sides' figures, MFU in (0, 1]."""
+    """Every run ended well with every figure, MFU in (0, 1]."""
     for name, res in results.items():
-        sides = {r["side"] for r in res["runs"]}
-        if sides != {"ours", "peer"}:
-            raise UserError(f"row {name}: figures from {sorted(sides)} only")
         for r in res["runs"]:
+            if r["status"] != "ok":
+                raise UserError(f"row {name}, {r['side']} {r['optimizer']}: {r['status']} ({r.get('error')})")
+            if r["side"] == "profile":
+                continue
             if not (r["sequences_per_sec"] and r["tokens_per_sec"] and r["mfu"] and 0 < r["mfu"] <= 1):
                 raise UserError(f"row {name}, {r['side']} {r['optimizer']}: incomplete or impossible figures {r}")
 
@@ -790,8 +924,8 @@ def _fmt(value, spec: str, scale: float = 1.0) -> str:
 
 
 def rows_table(results: dict[str, dict], meta: dict, args: argparse.Namespace) -> str:
-    head = ["row", "seq", "side", "optimizer", "micro x accum", "seq/s", "tokens/s", "MFU", "peak GiB"]
-    head += ["host syncs/step", "optimizer step ms", "ckpt stall s (first bg save / sync)"]
+    head = ["row", "seq", "side", "optimizer", "micro x accum", "status", "seq/s", "tokens/s", "MFU", "peak GiB"]
+    head += ["attention", "host syncs/step", "optimizer step ms"]
     lines = [
         "Versions: " + ", ".join(f"{k} {v}" for k, v in meta.items()),
         f"{args.steps} measured steps after {args.warmup}; ours: train.py on the row's recipe; peer: Trainer.",
@@ -801,31 +935,30 @@ def rows_table(results: dict[str, dict], meta: dict, args: argparse.Namespace) -
     ]
     for name, res in results.items():
         for r in res["runs"]:
-            stall = f"{_fmt(r['checkpoint_stall_s'], '.2f')} / {_fmt(r['checkpoint_sync_stall_s'], '.2f')}"
             cells = [
                 name,
                 str(res["seq"]),
                 r["side"],
                 str(r["optimizer"]),
                 f"{r['micro_batch']} x {r['global_batch'] // r['micro_batch']}",
-                _fmt(r["sequences_per_sec"], ".1f"),
-                _fmt(r["tokens_per_sec"], ".0f"),
-                _fmt(r["mfu"], ".1%"),
-                _fmt(r["peak_memory_bytes"], ".1f", 1 / (1 << 30)),
-                _fmt(r["host_syncs_per_step"], ".1f"),
-                _fmt(r["optimizer_step_s"], ".2f", 1e3),
-                stall,
+                r["status"],
+                _fmt(r.get("sequences_per_sec"), ".1f"),
+                _fmt(r.get("tokens_per_sec"), ".0f"),
+                _fmt(r.get("mfu"), ".1%"),
+                _fmt(r.get("peak_memory_bytes"), ".1f", 1 / (1 << 30)),
+                str(r.get("attention_kernel") or "-"),
+                _fmt(r.get("host_syncs_per_step"), ".1f"),
+                _fmt(r.get("optimizer_step_s"), ".2f", 1e3),
             ]
             lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for name, res in results.items():
-        shared = [r for r in res["runs"] if r["micro_batch"] == res["runs"][0]["micro_batch"]]
-        peer = next(r for r in shared if r["side"] == "peer")
-        ratios = ", ".join(
-            f"{r['optimizer']} {r['sequences_per_sec'] / peer['sequences_per_sec']:.2f}x"
-            for r in shared
-            if r["side"] == "ours"
-        )
+        shared = [r for r in res["runs"] if r["micro_batch"] == res["runs"][0]["micro_batch"] and r["status"] == "ok"]
+        peer = next((r for r in shared if r["side"] == "peer"), None)
+        ours = [r for r in shared if r["side"] == "ours"]
+        if peer is None or not ours:
+            continue
+        ratios = ", ".join(f"{r['optimizer']} {r['sequences_per_sec'] / peer['sequences_per_sec']:.2f}x" for r in ours)
         lines.append(
             f"{name}: ours / Trainer at micro-batch {peer['micro_batch']}: {ratios}; largest micro-batch "
             f"that fits: ours {res['largest_micro_batch']['ours']}, Trainer {res['largest_micro_batch']['peer']}"

@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -82,11 +84,38 @@ def activities() -> list:
     return recorded
 
 
+MATMUL = ("gemm", "gemv", "cutlass", "nvjet", "xmma", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+ATTENTION = ("flash", "fmha", "attention", "varlen_attn", "efficient_attention")
+
+
+def time_split(events, on_device: bool) -> dict[str, float]:
+    """The shares of the profiled time in matmuls, in attention and in the rest, by each event's self time on
+    the device (its kernels and copies; ``on_device``) or on the CPU, classified by name (``MATMUL``,
+    ``ATTENTION``: cuBLAS/CUTLASS kernel names and the aten matmul ops; the flash kernels and the attention
+    ops)."""
+    sums = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+    for evt in events:
+        t = evt.self_device_time_total if on_device else evt.self_cpu_time_total
+        name = evt.key.lower()
+        kind = (
+            "matmul"
+            if any(m in name for m in MATMUL)
+            else "attention"
+            if any(a in name for a in ATTENTION)
+            else "other"
+        )
+        sums[kind] += max(t, 0.0)
+    total = sum(sums.values()) or 1.0
+    return {kind: t / total for kind, t in sums.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--top", type=int, default=25, help="operators shown")
     p.add_argument("--trace", default=None, help="write a Chrome trace (chrome://tracing, Perfetto) here")
+    p.add_argument("--config", default=None, help="train.py's --config (a recipe name or a YAML file)")
+    p.add_argument("--shares", default=None, help="write the time shares (matmul, attention, other) as JSON here")
     p.add_argument("overrides", nargs="*", help="train.py overrides (section.key=value)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -100,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     from training.trainer import Trainer
 
     train = import_train()
-    cfg = load_config(None, [*args.overrides, f"run.threads_per_rank={args.threads}"])
+    cfg = load_config(args.config, [*args.overrides, f"run.threads_per_rank={args.threads}"])
     warm = cfg.logging.warmup_steps
     E = ds_engine.DeepSpeedEngine
     E.forward = _timed("forward (engine)", E.forward)
@@ -144,9 +173,18 @@ def main(argv: list[str] | None = None) -> int:
     for label, secs in sorted(PHASES.items(), key=lambda kv: -kv[1]):
         print(f"  {label:<32} {1000 * secs / n:8.1f} ms  {100 * secs / total:5.1f}%  ({COUNTS[label] or n} calls)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
-    if torch.cuda.is_available():  # the GPU's side: kernels (and copies) by the time the device spent in them
+    on_device = torch.cuda.is_available()
+    if on_device:  # the GPU's side: kernels (and copies) by the time the device spent in them
         print(f"top {args.top} by device time:")
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=args.top))
+    split = time_split(prof.key_averages(), on_device)
+    print(
+        f"{'device' if on_device else 'CPU (self)'} time: "
+        + ", ".join(f"{kind} {100 * share:.1f}%" for kind, share in split.items())
+        + " (other: neither matmul nor attention)"
+    )
+    if args.shares:
+        Path(args.shares).write_text(json.dumps({f"{k}_share": v for k, v in split.items()}) + "\n", encoding="utf-8")
     if args.trace:
         prof.export_chrome_trace(args.trace)
     return rc

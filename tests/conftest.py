@@ -60,7 +60,14 @@ def launcher(ranks: int, port: int | None = None) -> list[str]:
 # bounds one after another on one worker (``SERIAL``), and the longest first (``FIRST``) so that both workers
 # end together. Without ``-n`` nothing here changes the run.
 SERIAL = ("tests/test_train_faults.py", "tests/test_train_twonode.py", "tests/test_launch_twonode.py")
-FIRST = ("timed", "tests/test_train.py", "tests/test_benchmarks.py", "tests/test_elastic.py", "tests/test_bundle.py")
+FIRST = (
+    "timed",
+    "tests/test_train.py",
+    "tests/test_benchmarks.py",
+    "tests/test_elastic.py",
+    "tests/test_bundle.py",
+    "tests/test_gpu_calls.py",
+)
 if os.environ.get("PYTEST_XDIST_WORKER"):  # a worker computes on one thread (OpenMP's): two share two cores
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -87,6 +94,18 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 @pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The GPU tier's concurrent lanes (scripts/gpu.sh call2) share one device: ``$WIKIPRETRAIN_DEVICE_MEMORY_GIB``
+    caps this process as it caps every rank a test starts, for the tests that compute in the pytest process."""
+    if os.environ.get("WIKIPRETRAIN_DEVICE_MEMORY_GIB"):  # training.devices.MEMORY_CAP_ENV
+        import torch  # on call (start-up time): only where a cap is asked for
+
+        if torch.cuda.is_available():
+            from training.engine import cap_device_memory
+
+            cap_device_memory()
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under xdist, the units of ``FIRST`` ahead of the rest (a stable sort: each module's order is kept)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -42,9 +42,6 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
         *("bench_train.py", "--work", str(w), "--models", "bert-debug", "--port", "29850"),
         *("--steps", "2", "--warmup", "1", "--repeats", "1", "--micro-batch", "2", "--global-batch", "4"),
     ],
-    "train_tiny_rows": lambda w: (
-        ["bench_train.py", "--tiny", "--work", str(w), "--json", str(w / "r.json")] + ["--port", "29870"]
-    ),
     "switch": lambda w: [
         *("bench_switch.py", "--work", str(w), "--model", "bert-debug", "--seqs", "128:20", "--port", "29950"),
         *("--steps", "2", "--warmup", "1", "--repeats", "1", "--micro-batch", "2", "--global-batch", "4"),
@@ -92,7 +89,7 @@ def number(text: str) -> float:
 # by the suite's prefork server (``run_python``), the script as ``__main__`` with its arguments all the same,
 # without the 3-8 CPU-s of a fresh interpreter's imports. The others, and every process a benchmark starts,
 # start fresh.
-FORKED = ("train", "train_tiny_rows", "switch", "train_profile", "lans", "gpu_readiness")
+FORKED = ("train", "switch", "train_profile", "lans", "gpu_readiness")
 
 
 def run_bench(script: str, *args: str, timeout: int = 600, fresh: bool = True) -> str:
@@ -190,45 +187,6 @@ def test_bench_train(bench: TwoAtATime) -> None:
     ours, peer, ratio, ours_cpu, peer_cpu, cpu_ratio = row
     assert min(map(number, (ours, peer, ours_cpu, peer_cpu))) > 0  # ours_cpu: bench_train_ours.py's CPU time
     assert is_quotient(ratio, ours, peer) and math.isfinite(number(cpu_ratio)), row
-
-
-@pytest.mark.slow
-def test_bench_train_tiny_rows(bench: TwoAtATime) -> None:
-    """``--tiny``: the GPU rows (bert-large phase 1 and 2 with LAMB and LANS, neox-1.3b with AdamW, each beside
-    the Trainer) at debug sizes on CPU: every run printed, and every figure of both sides recorded (unrounded,
-    in the JSON) with the versions."""
-    import json
-
-    out, work = bench("train_tiny_rows")
-    printed = re.findall(r"^\| ([\w.-]+) \| \d+ \| (ours|peer) \| (\w+) \| 2 x 2 \| .* \|$", out, re.MULTILINE)
-    expected = [
-        ("bert-large-p1", "ours", "lamb"),
-        ("bert-large-p1", "ours", "lans"),
-        ("bert-large-p1", "peer", "adamw_torch_fused"),
-        ("bert-large-p2", "ours", "lamb"),
-        ("bert-large-p2", "ours", "lans"),
-        ("bert-large-p2", "peer", "adamw_torch_fused"),
-        ("neox-1.3b", "ours", "adamw"),
-        ("neox-1.3b", "peer", "adamw_torch_fused"),
-    ]
-    assert printed == expected, out
-    assert len(re.findall(r"^[\w.-]+: ours / Trainer at micro-batch 2: .*\d\.\d\dx", out, re.MULTILINE)) == 3
-    saved = json.loads((work / "r.json").read_text())
-    assert saved["versions"]["torch"] and saved["versions"]["deepspeed"] and saved["versions"]["device"] == "cpu"
-    runs = [(name, r) for name, row in saved["rows"].items() for r in row["runs"]]
-    assert [(name, r["side"], r["optimizer"]) for name, r in runs] == expected
-    for name, r in runs:
-        seq = saved["rows"][name]["seq"]
-        assert r["sequences_per_sec"] > 0 and 0 < r["mfu"] <= 1 and r["peak_memory_bytes"] > 0, r
-        assert r["optimizer_step_s"] > 0 and r["host_syncs_per_step"] is None, r  # no device queue on CPU
-        # tokens/s: every position the side computes; unpadded BERT computes fewer than seq per row
-        padded = r["side"] == "peer" or name == "neox-1.3b"
-        if padded:
-            assert r["tokens_per_sec"] == pytest.approx(r["sequences_per_sec"] * seq), r
-        else:
-            assert 0 < r["tokens_per_sec"] < r["sequences_per_sec"] * seq, r
-        if r["side"] == "ours":  # the background save's stall, and what a synchronous one stalls
-            assert 0 < r["checkpoint_stall_s"] < r["checkpoint_sync_stall_s"], r
 
 
 @pytest.mark.slow

@@ -219,6 +219,10 @@ class CheckpointSection:
     resume: str = "auto"
     """auto: the newest complete checkpoint if any; never: refuse to run over existing checkpoints; or a
     path."""
+    final_save: bool = True
+    """Save the last step when the run ends (a run stopped by SIGTERM saves whatever this says). false: for
+    timed benchmark runs only (``benchmarks/bench_train.py``'s rows), whose figures must not wait on a save;
+    the run then ends with nothing newer than its last ``every`` save."""
     preempt_grace_s: float = 25.0
     """After SIGTERM (or the loss of a launcher): the time the job has to finish its step, save and exit,
     below the DeepSpeed launcher's 30 s before it kills the ranks (and Slurm's KillWait). When the previous

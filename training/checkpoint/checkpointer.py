@@ -127,9 +127,12 @@ class Checkpointer:
 
     def close(self, step: int, progress: Callable[[], dict[str, Any]], stop: StopRequest | None = None) -> None:
         """After the loop, on every rank: the background save in flight committed (or its failure raised, the
-        same line on every rank), then a save of ``step`` unless it is saved already, or, when the run stops
-        for SIGTERM or a lost launcher (``stop``), unless the save does not fit in the grace left."""
+        same line on every rank), then a save of ``step`` unless it is saved already or ``final_save`` is off,
+        or, when the run stops for SIGTERM or a lost launcher (``stop``), unless the save does not fit in the
+        grace left."""
         self._finish_pending()
+        if stop is None and not self.cfg.final_save:
+            return
         if step != self.last_saved and (stop is None or self._fits_after_sigterm(step, stop.at)):
             self._save(step, progress())  # before the final evaluation, which can fail (out of memory)
 
