@@ -41,4 +41,4 @@ if [ "$BYTES" -gt $((MAX_MIB * 1024 * 1024)) ]; then
   echo "error: $DIR: bundle is $((BYTES / 1024 / 1024)) MiB, over MAX_MIB=$MAX_MIB" >&2
   exit 2
 fi
-echo "bundle for the GPU machine: $DIR ($((BYTES / 1024)) KiB); there: bash scripts/gpu.sh $DIR"
+echo "bundle for the GPU machine: $DIR ($((BYTES / 1024)) KiB); there: bash scripts/gpu.sh call1 $DIR, then call2 (--dry-run: the plan)"
