@@ -15,11 +15,23 @@ modules:
 * GPT-NeoX: each whole ``GPTNeoXLayer`` (fixed-length windows, causal SDPA).
 
 Dynamic shapes (``dynamic=True``): under unpadding the token count changes every micro-batch; each module is
-compiled once for any length, which ``compile_count`` lets a test check. A module whose compilation fails in
-its forward call (a backend error, an unsupported operation) warns once for the whole model and runs eager from
-then on; errors of the computation itself are not caught. Not caught either: a failure compiling the backward
-graph when the first backward runs (inductor may defer it there on an accelerator), which ends the run with its
-own error; not seen on CPU, where both graphs compile in the forward call.
+compiled once for any length, which ``compile_count`` lets a test check.
+
+A failed compilation (a backend error, an unsupported operation) warns once for the whole model
+(``Compiled.failed``), and the model runs eager from then on, with one choice per module and micro-batch: a
+module chooses at its first call in a micro-batch (a forward of the model, which a forward pre-hook counts:
+``Compiled.micro_batch``) and makes its later calls in it, activation checkpointing's recompute, the same way,
+so each dropout mask is drawn by one implementation (inductor's draws are not eager's: a recompute the other way
+would mix two masks in one micro-batch's gradients). In the micro-batch in flight, the modules that ran compiled
+before the failure recompute compiled; the one that failed (nothing of it ran compiled, as it is one graph) and
+every module after it run eager, forward and recompute; later micro-batches and evaluation batches run eager.
+This takes a micro-batch's backward to run before the model's next forward, as the trainer runs them. The cost
+is a comparison per call, outside the graphs.
+
+Not caught: errors of the computation itself; a compilation error in the recompute of a compiled call (it reuses
+the graph its forward compiled, so none is expected, and eager there would mix masks); a failure compiling the
+backward graph when the first backward runs (inductor may defer it there on an accelerator). Each ends the run
+with its own error; the last two are not seen on CPU, where both graphs compile in the forward call.
 """
 
 from __future__ import annotations
@@ -71,12 +83,20 @@ def whole_layers(model: nn.Module) -> bool:
 
 
 class Compiled:
-    """What :func:`compile_blocks` did to one model: ``modules`` compiled, and ``failed`` (None, or the first
-    compilation failure, after which all of them run eager: they share this record)."""
+    """What :func:`compile_blocks` did to one model: ``modules`` compiled, ``failed`` (None, or the first
+    compilation failure, after which each module's next choice is eager: they share this record), and
+    ``micro_batch``, the model's forwards so far (its forward pre-hook counts them), by which each module keeps
+    one choice per micro-batch (the module docstring)."""
 
     def __init__(self, modules: int) -> None:
         self.modules = modules
         self.failed: str | None = None
+        self.micro_batch = 0
+
+    def advance(self, *_: Any) -> None:
+        """The model's forward pre-hook: a new micro-batch (or evaluation batch), in which each module chooses
+        again."""
+        self.micro_batch += 1
 
     def fail(self, error: BaseException) -> None:
         if self.failed is None:
@@ -86,16 +106,27 @@ class Compiled:
             log.warning(f"model.compile: compiling a transformer block failed, running eager instead ({self.failed})")
 
 
-def _guarded(eager: Callable[..., Any], backend: Any, fallback: Compiled) -> Callable[..., Any]:
+def _guarded(eager: Callable[..., Any], backend: Any, record: Compiled) -> Callable[..., Any]:
+    """``eager`` compiled, one choice per micro-batch (the module docstring): the module's first call in a
+    micro-batch runs compiled unless a compilation failed before it, eager if its own fails; its later calls in
+    the micro-batch (activation checkpointing's recompute) run as the first one did."""
     compiled = torch.compile(eager, dynamic=True, backend=backend)
     errors = compile_errors()
+    chosen_in = -1  # the micro-batch of the module's first call ...
+    use_compiled = False  # ... and its choice
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if fallback.failed is None:
-            try:
-                return compiled(*args, **kwargs)
-            except errors as e:
-                fallback.fail(e)
+        nonlocal chosen_in, use_compiled
+        if chosen_in != record.micro_batch:
+            chosen_in, use_compiled = record.micro_batch, record.failed is None
+            if use_compiled:
+                try:
+                    return compiled(*args, **kwargs)
+                except errors as e:
+                    use_compiled = False
+                    record.fail(e)
+        elif use_compiled:  # the recompute of a compiled call: its graph again, errors not caught
+            return compiled(*args, **kwargs)
         return eager(*args, **kwargs)
 
     return forward
@@ -104,11 +135,13 @@ def _guarded(eager: Callable[..., Any], backend: Any, fallback: Compiled) -> Cal
 def compile_blocks(model: nn.Module, backend: Any = "inductor") -> Compiled:
     """Compile ``model``'s transformer blocks in place (see the module docstring), as part of building it
     (``model.build.build_model``'s ``compile``): its blocks' calls are replaced, as ``transformers``' own
-    ``gradient_checkpointing_enable`` replaces its layers' calls; nothing is set on ``model`` itself."""
+    ``gradient_checkpointing_enable`` replaces its layers' calls; on ``model`` itself, only a forward pre-hook
+    that counts its forwards (``Compiled.micro_batch``)."""
     targets = compile_scope(model)
     compiled = Compiled(len(targets))
     for module, attribute, eager in targets:  # e.g. forward, or the packed_call model.unpad.encode makes
         object.__setattr__(module, attribute, _guarded(eager, backend, compiled))
+    model.register_forward_pre_hook(compiled.advance)
     _COMPILED_HERE.append(len(targets))
     return compiled
 

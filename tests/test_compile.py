@@ -118,6 +118,71 @@ def test_a_failed_compile_warns_once_and_runs_eager(batch, caplog):  # noqa: F81
     assert torch.equal(got, want) and torch.equal(again, want)
 
 
+def _report_running_layer(model: torch.nn.Module, running: list[int]) -> None:
+    """``running[0]`` set to the index of the BERT layer that runs, in its forward and its recompute, outside
+    its compiled calls: around each layer's ``packed_call`` where layers compile whole, else before each layer."""
+    for i, layer in enumerate(model.hf.bert.encoder.layer):
+        if mc.whole_layers(model):
+
+            def call(*args, _i=i, _compiled=layer.packed_call):
+                running[0] = _i
+                return _compiled(*args)
+
+            object.__setattr__(layer, "packed_call", call)
+        else:
+            layer.register_forward_pre_hook(lambda module, args, _i=i: running.__setitem__(0, _i))
+
+
+@pytest.mark.parametrize("unpadded", [True, False], ids=["whole-layers", "padded"])
+def test_a_compile_failing_mid_forward_keeps_checkpointing_exact(batch, unpadded, caplog):  # noqa: F811
+    """Compiling layer 1 of 3 fails in the first micro-batch, trained with dropout: with activation checkpointing
+    the gradients are those without it (same seed, same failure), in that micro-batch (what ran compiled before
+    the failure recomputes compiled, the rest eager in its forward and its recompute) and in the next (eager
+    throughout: an eager model's gradients). Layer 1's graph is another (a frozen LayerNorm bias): it compiles
+    anew when layer 1 first runs, and the test's backend refuses it (inductor compiles the others). Whole
+    compiled layers (unpadded BERT) and compiled dense modules (the padded forward, as under ZeRO-3)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    torch._dynamo.reset()
+    spec = get_spec("bert-debug", dropout=0.1, vocab_size=8000, layers=3)
+    running = [-1]  # the layer running now (set outside the compiled calls)
+
+    def refuses_layer_1(gm, example_inputs):
+        if running[0] == 1:
+            raise RuntimeError("no graph for layer 1")
+        return compile_fx(gm, example_inputs)
+
+    def build(checkpointing: bool, compiled: bool) -> tuple[torch.nn.Module, mc.Compiled | None]:
+        torch.manual_seed(0)
+        model = build_model(spec, unpad=unpadded, activation_checkpointing=checkpointing).train()
+        layers = model.hf.bert.encoder.layer
+        layers[1].output.LayerNorm.bias.requires_grad_(False)
+        done = mc.compile_blocks(model, backend=refuses_layer_1) if compiled else None
+        if compiled:
+            _report_running_layer(model, running)
+        return model, done
+
+    def grads(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+        out = []
+        for seed in (1, 2):  # two micro-batches, each its own dropout draws
+            torch.manual_seed(seed)
+            out.append(_run(model, batch)[1])
+        return out
+
+    with caplog.at_level(logging.WARNING):
+        (plain, plain_done), (ckpt, ckpt_done) = build(False, True), build(True, True)
+        got_plain, got_ckpt = grads(plain), grads(ckpt)
+    eager = grads(build(False, False)[0])
+    for done in plain_done, ckpt_done:
+        assert done is not None and "no graph for layer 1" in (done.failed or "")
+    assert len([r for r in caplog.records if r.name.endswith("model.compile")]) == 2  # once per model
+    for micro_batch in 0, 1:
+        errors = _errors(got_ckpt[micro_batch], got_plain[micro_batch])
+        assert max(errors.values()) < 1e-5, (micro_batch, max(errors.items(), key=lambda kv: kv[1]))
+    assert max(_errors(got_plain[0], eager[0]).values()) > 1e-2  # layer 0 compiled: inductor's dropout draws
+    assert max(_errors(got_plain[1], eager[1]).values()) < 1e-5  # the next micro-batch eager
+
+
 def test_compile_is_on_by_default_on_accelerators_only():
     assert mc.wanted(None, "cuda") and mc.wanted(None, "hpu") and not mc.wanted(None, "cpu")
     assert mc.wanted(True, "cpu") and not mc.wanted(False, "cuda")
