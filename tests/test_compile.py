@@ -1,6 +1,7 @@
 """Compiled transformer blocks (``model.compile``), in process on CPU: as close to a float64 eager run as eager
-FP32 is, one compilation for every length under unpadding, names unchanged, and eager after a failed compile.
-ZeRO-2 and ZeRO-3 under compile belong to the GPU tier."""
+FP32 is, one compilation for every length under unpadding, names unchanged, and eager after a failed compile,
+without changing a checkpointed micro-batch's gradients. ZeRO-2 and ZeRO-3 under compile belong to the GPU
+tier."""
 
 from __future__ import annotations
 
