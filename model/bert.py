@@ -162,14 +162,14 @@ class BertPretraining(nn.Module):
     """MLM + NSP pre-training with the MLM head evaluated only at masked positions.
 
     ``unpad``: the encoder computes only the real tokens (``model.unpad``; ``attention`` then does not apply,
-    the varlen kernel is ``attention_kernel``, ``None`` for the device's default); false: ``transformers``'
-    padded forward, kept for comparison and equality tests.
+    the kernel over the packed tokens is asked for as ``unpad_kernel``, ``None`` for auto: the device's
+    default); false: ``transformers``' padded forward, kept for comparison and equality tests.
     """
 
     family = "bert"
 
     def __init__(
-        self, spec: BertSpec, attention: str = "sdpa", unpad: bool = True, attention_kernel: str | None = None
+        self, spec: BertSpec, attention: str = "sdpa", unpad: bool = True, unpad_kernel: str | None = None
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -177,7 +177,10 @@ class BertPretraining(nn.Module):
         # the MLM decoder (tied to the word embeddings) computes its loss in chunks, without the [B, P, V] logits
         ChunkedLossHead.adopt(self.hf.cls.predictions.decoder)
         self.unpad = unpad
-        self.attention_kernel = attention_kernel
+        self.unpad_kernel = unpad_kernel  # asked for (model.unpad_attention); None: auto
+        # what the last unpadded forward ran (model.unpad.resolve_kernel); None before one, and for the padded
+        # forward (unpad false)
+        self.attention_kernel: unpadding.AttentionKernel | None = None
 
     def forward(
         self,
@@ -203,9 +206,10 @@ class BertPretraining(nn.Module):
         if self.unpad:
             pack = unpadding.packing(attention_mask, unpad_indices, cu_seqlens, max_seqlen, min_seqlen)
             bert: Any = self.hf.bert  # BertModel | MegatronBertModel, walked module by module
-            packed = unpadding.encode(
-                bert, self.spec.pre_layernorm, input_ids, token_type_ids, pack, self.attention_kernel
-            )  # [T, H]
+            # the kernel, from this forward's device and dtype: on the host, outside the (compiled) layers
+            self.attention_kernel = unpadding.encoder_kernel(bert, self.unpad_kernel)
+            kernel = self.attention_kernel.kernel
+            packed = unpadding.encode(bert, self.spec.pre_layernorm, input_ids, token_type_ids, pack, kernel)  # [T, H]
             # each sequence's first token (the pooler's input) and its masked positions, in the packed rows
             rows = pack.rows(attention_mask, F.pad(masked_lm_positions, (1, 0)))  # [B, 1 + P]
             gathered = packed[rows[:, 1:]]  # [B, P, H]
@@ -296,6 +300,11 @@ def param_role(name: str) -> ParamRole:
     return "layer"
 
 
+def attention_kernel(model: BertPretraining) -> unpadding.AttentionKernel | None:
+    """The record's ``attention_kernel``: what the model's last unpadded forward ran."""
+    return model.attention_kernel
+
+
 def whole_layers(model: BertPretraining) -> bool:
     """Whether ``model``'s layers compile whole: on its real tokens, outside ZeRO-3."""
     return model.unpad and not any(unpadding.partitioned(p) for p in model.parameters())
@@ -352,6 +361,7 @@ FAMILY = Family(
     head_weights=mlm_head_weights,
     param_role=param_role,
     compile_scope=compile_scope,
+    attention_kernel=attention_kernel,
     loss_parts=("mlm_loss", "nsp_loss"),
     evaluation=Evaluation(
         sums=("mlm_loss_x_n", "nsp_loss_x_n", "mlm_correct", "mlm_count", "nsp_correct", "nsp_count"),

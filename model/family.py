@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     from torch import nn
 
+    from model.unpad import AttentionKernel
+
 
 def pad_vocab(size: int, multiple: int) -> int:
     """Round a vocabulary size up to a multiple (tensor-core friendly shapes)."""
@@ -93,8 +95,8 @@ class Family:
     """The family's named sizes (``spec_class`` instances): ``model.name`` picks one (``python -m model list``)."""
     model: Callable[..., nn.Module]
     """The pre-training model: ``model(spec, attention)``; when the family ``unpads``, also keywords ``unpad``
-    and ``attention_kernel`` (the kernel over the packed tokens, None for the device's default). Built through
-    :meth:`build`, on the current default device."""
+    and ``unpad_kernel`` (the kernel asked for over the packed tokens, None for auto: the device's default).
+    Built through :meth:`build`, on the current default device."""
     shard_kind: str
     """The data layer's name of the shard format the family trains on (``data.h5format.SCHEMAS``)."""
     hash_key: str
@@ -116,6 +118,10 @@ class Family:
     """Forward outputs logged beside the total loss (each step's record, the console)."""
     evaluation: Evaluation
     """The held-out evaluation's sums and metrics."""
+    attention_kernel: Callable[[Any], AttentionKernel | None] | None = None
+    """(a built model of the family) -> the attention kernel its last forward ran over the packed tokens
+    (``model.unpad.AttentionKernel``: what a run records as ``attention_kernel``), None before its first
+    forward or where it did not unpad. None: the family never unpads (its runs record null)."""
     transformers_model: Callable[[Any], Any] | None = None
     """(a built model of the family) -> the ``transformers`` ``PreTrainedModel`` inside it, through which
     activation checkpointing is enabled (``gradient_checkpointing_enable``), ZeRO-3 initialises the partitioned
@@ -134,12 +140,16 @@ class Family:
         given the answer."""
         return self.unpads and setting
 
+    def kernel_ran(self, model: Any) -> AttentionKernel | None:
+        """The attention kernel ``model``'s last forward ran (its :attr:`attention_kernel`), or None."""
+        return None if self.attention_kernel is None else self.attention_kernel(model)
+
     def build(
         self, spec: Any, attention: str = "sdpa", unpad: bool = False, unpad_kernel: str | None = None
     ) -> nn.Module:
         """The family's pre-training model for ``spec`` (``unpad``: :meth:`unpadded`'s answer)."""
         if self.unpads:
-            return self.model(spec, attention, unpad=unpad, attention_kernel=unpad_kernel)
+            return self.model(spec, attention, unpad=unpad, unpad_kernel=unpad_kernel)
         if unpad:
             raise ValueError(f"{self.title} models do not unpad (Family.unpadded)")
         return self.model(spec, attention)

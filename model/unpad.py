@@ -33,6 +33,12 @@ accept (reading it would wait for the device). The jagged tensors get both bound
 SDPA never computes them from the offsets with ``.item()``. Without the keys they are computed here (a
 ``nonzero``: direct callers only).
 
+Which kernel ran is resolved once per forward, in eager code before the layers (compiled whole or not), from the
+runtime device, compute dtype and head size (:func:`resolve_kernel`): an :class:`AttentionKernel` that the model
+keeps (``BertPretraining.attention_kernel``) and a run records as ``attention_kernel`` (``varlen-flash``,
+``varlen-cpu``, ``padded``, ``jagged``) in summary.json and each metrics.jsonl row, apart from what was asked
+(``model.unpad_attention``), with the reason when auto fell back from the varlen kernel.
+
 On a GPU: the jagged kernel trained in the GPU tier (bert-debug, LANS/AdamW, ZeRO-1/2, activation
 checkpointing) before ``padded`` became the CUDA default; neither ``padded`` nor ``varlen`` on CUDA is measured
 yet.
@@ -58,6 +64,9 @@ HOST_KEYS = frozenset({"max_seqlen", "min_seqlen"})
 padded path's choice of mask, no sync). ``min_seqlen``: every BERT micro-batch's shortest row (the loader's)."""
 
 KERNELS = ("varlen", "padded", "jagged")
+RECORDED_KERNELS = ("varlen-flash", "varlen-cpu", "padded", "jagged")
+"""What a run records as ``attention_kernel`` (:attr:`AttentionKernel.name`): the varlen operator's two branches
+named apart."""
 
 
 @dataclass(frozen=True)
@@ -160,19 +169,88 @@ def default_kernel(device: torch.device | str, dtype: torch.dtype | None = None,
     return "padded"
 
 
+@dataclass(frozen=True)
+class AttentionKernel:
+    """The attention kernel an unpadded forward runs, resolved from the runtime device, dtype and head size
+    (:func:`resolve_kernel`)."""
+
+    asked: str
+    """What the model was built with: ``model.unpad_attention`` (``auto``, or one of ``KERNELS``)."""
+    kernel: str
+    """The branch of :func:`varlen_attention` that runs: one of ``KERNELS``."""
+    name: str
+    """What ran, as a run records it (``attention_kernel``): one of ``RECORDED_KERNELS``."""
+    reason: str | None = None
+    """Why auto runs ``padded`` where the varlen kernel does not run (``auto: FP32 on CUDA runs padded ...``);
+    None when the kernel is the one asked for or auto's first choice."""
+
+
+def _no_flash(device: torch.device, dtype: torch.dtype, head_dim: int, capability: tuple[int, int] | None) -> str:
+    """Why ``model.attention.flash_usable`` says no, as "WHAT runs padded (RULE)" (its checks, in its order)."""
+    names = {torch.float32: "FP32", torch.float64: "FP64", torch.bfloat16: "BF16", torch.float16: "FP16"}
+    if device.type != "cuda":
+        return f"{device.type} runs padded (the varlen operator runs on CUDA and the CPU)"
+    if dtype not in varlen.FLASH_DTYPES:
+        return f"{names.get(dtype, str(dtype))} on CUDA runs padded (flash takes BF16/FP16)"
+    if varlen.FLASH_SCHEMA_PROBLEM is not None:
+        return f"torch {torch.__version__} runs padded (its flash ops differ: {varlen.FLASH_SCHEMA_PROBLEM})"
+    if torch.version.hip is not None:
+        return "ROCm runs padded (the flash ops' older outputs and rules there)"
+    if head_dim > 256 or head_dim % 8:
+        return f"head size {head_dim} on CUDA runs padded (flash takes <= 256, a multiple of 8)"
+    if capability is None:
+        if not torch.backends.cuda.is_flash_attention_available():
+            return "CUDA runs padded (this torch is built without flash attention)"
+        capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < (8, 0):
+        return f"compute capability {capability[0]}.{capability[1]} runs padded (flash needs >= 8.0)"
+    return "CUDA runs padded (flash does not run on this device)"
+
+
+def resolve_kernel(
+    asked: str | None,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    head_dim: int,
+    capability: tuple[int, int] | None = None,
+) -> AttentionKernel:
+    """The kernel that runs for q/k/v of ``dtype`` and ``head_dim`` on ``device`` when ``asked`` (None: auto)
+    is asked for; ``capability``: the CUDA device's compute capability (the device's own when None).
+
+    Host-only (no device value is read): called once per forward, outside the compiled layers. ``varlen``
+    asked where it cannot run raises ValueError, as :func:`varlen_attention` does."""
+    device = torch.device(device)
+    asked = asked or "auto"
+    if asked in ("padded", "jagged"):
+        return AttentionKernel(asked, asked, asked)
+    if asked not in ("auto", "varlen"):
+        raise ValueError(f"attention kernel {asked!r}: expected auto or one of {', '.join(KERNELS)}")
+    if device.type == "cpu":
+        return AttentionKernel(asked, "varlen", "varlen-cpu")
+    if varlen.flash_usable(device, dtype, head_dim, capability):
+        return AttentionKernel(asked, "varlen", "varlen-flash")
+    if asked == "varlen":
+        raise ValueError(_varlen_refused(device, dtype, head_dim))
+    return AttentionKernel(asked, "padded", "padded", f"auto: {_no_flash(device, dtype, head_dim, capability)}")
+
+
+def _varlen_refused(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    return (
+        f"attention kernel varlen runs on the CPU, or on CUDA in BF16/FP16 on compute capability >= 8.0 "
+        f"with a head size <= 256 and a multiple of 8; not {device.type} {dtype} head size {head_dim}: use padded"
+    )
+
+
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pack: Packing, dropout_p: float, kernel: str | None = None
 ) -> torch.Tensor:
     """Softmax attention within each sequence of the packed ``[T, heads, head_dim]`` q/k/v; returns the same
-    shape. Scale ``head_dim ** -0.5``, bidirectional."""
+    shape. Scale ``head_dim ** -0.5``, bidirectional. ``kernel``: one of ``KERNELS`` (the model's forward gives
+    the one :func:`resolve_kernel` resolved); None: the device's default."""
     kernel = kernel or default_kernel(q.device, q.dtype, q.size(-1))
     if kernel == "varlen":
         if q.device.type != "cpu" and not varlen.flash_usable(q.device, q.dtype, q.size(-1)):
-            raise ValueError(
-                f"attention kernel varlen runs on the CPU, or on CUDA in BF16/FP16 on compute capability >= 8.0 "
-                f"with a head size <= 256 and a multiple of 8; not {q.device.type} {q.dtype} head size "
-                f"{q.size(-1)}: use padded"
-            )
+            raise ValueError(_varlen_refused(q.device, q.dtype, q.size(-1)))
         return varlen.attention(q, k, v, pack.cu_seqlens, pack.max_seqlen, dropout_p)
     if kernel == "jagged":
         nq, nk, nv = (nested(x.contiguous(), pack).transpose(1, 2) for x in (q, k, v))  # [B, heads, j, head_dim]
@@ -262,6 +340,16 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
+def encoder_kernel(bert: Any, asked: str | None) -> AttentionKernel:
+    """The kernel ``bert``'s layers run (:func:`resolve_kernel`) when ``asked`` (None: auto) is asked for: on its
+    word embeddings' device, in the dtype its layers compute in (the embeddings' own, or autocast's where it is
+    on: what :func:`encode`'s rows are), at its head size. Host-only: the model's forward calls it once, before
+    the layers."""
+    weight = bert.embeddings.word_embeddings.weight  # a ZeRO-3 partition keeps its dtype and device
+    head_dim = bert.encoder.layer[0].attention.self.attention_head_size
+    return resolve_kernel(asked, weight.device, compute_dtype(weight), head_dim)
+
+
 def encode(
     bert: Any,
     pre_layernorm: bool,
@@ -281,11 +369,10 @@ def encode(
     x = emb.dropout(x)
     layer_fn: Any = _pre_ln_layer if pre_layernorm else _post_ln_layer
     layers = bert.encoder.layer
-    if getattr(layers[0], "packed_call", None) is not None:  # model.compile: each layer a compiled whole
-        head_dim = layers[0].attention.self.attention_head_size
-        resolved = kernel or default_kernel(x.device, compute_dtype(x), head_dim)  # outside the graph
-        if resolved in WHOLE_LAYER_KERNELS:
-            layer_fn = partial(_call_packed, kernel=resolved)
+    if kernel is None:  # a direct caller: the device's default, resolved here, outside the (compiled) layers
+        kernel = resolve_kernel(None, x.device, compute_dtype(x), layers[0].attention.self.attention_head_size).kernel
+    if getattr(layers[0], "packed_call", None) is not None and kernel in WHOLE_LAYER_KERNELS:
+        layer_fn = partial(_call_packed, kernel=kernel)  # model.compile: each layer a compiled whole
     for layer in layers:
         if getattr(layer, "gradient_checkpointing", False) and layer.training and torch.is_grad_enabled():
             ckpt = getattr(layer, "_gradient_checkpointing_func", partial(checkpoint, use_reentrant=False))

@@ -105,6 +105,13 @@ def test_run_writes_metrics_and_summary(straight_run):
     assert json.loads((straight_run.parent / "shm_new.json").read_text()) == []
     # BERT's two losses are logged apart, and they add up to the total
     assert all(r["mlm_loss"] + r["nsp_loss"] == pytest.approx(r["loss"]) for r in records if "loss" in r)
+    # the attention kernel that ran (resolved in the model's forward: BF16, auto), in the summary and every row
+    import torch
+
+    kernel = "varlen-flash" if torch.cuda.is_available() else "varlen-cpu"
+    assert config["model"]["unpad_attention"] == "auto"
+    assert (summary["attention_kernel"], summary["attention_kernel_reason"]) == (kernel, None)
+    assert [r["attention_kernel"] for r in records] == [kernel] * len(records) and len(records) > 8  # + evaluation
 
 
 def test_time_accounting_covers_the_wall_time(straight_run):
@@ -172,8 +179,10 @@ def test_unpadded_and_padded_runs_train_the_same_model(bert_data, tmp_path):
     fraction)."""
     import torch
 
-    from model.unpad import default_kernel
-
+    # the kernel that runs in FP32: the varlen operator's CPU branch; on a GPU auto falls back to padded, and says so
+    kernel, why = ("varlen-cpu", None)
+    if torch.cuda.is_available():
+        kernel, why = ("padded", "auto: FP32 on CUDA runs padded (flash takes BF16/FP16)")
     same = (FP32, "model.dropout=0", "model.activation_checkpointing=true")
     same += ("train.steps=6", "train.eval_every=0", "checkpoint.every=0", "logging.every=1")
     runs = {}
@@ -186,9 +195,15 @@ def test_unpadded_and_padded_runs_train_the_same_model(bert_data, tmp_path):
         run_dir = tmp_path / name
         res = deepspeed(common(bert_data, run_dir, *same, *extra))
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        kernel = default_kernel("cuda" if torch.cuda.is_available() else "cpu")
-        on = f"model.unpad: BERT computes its real tokens only, {kernel} attention kernel"
+        on = f"model.unpad: BERT computes its real tokens only, {kernel} attention kernel (model.unpad_attention=auto"
         assert (on in res.stdout + res.stderr) == (name != "false")
+        assert (why is not None and why in res.stdout + res.stderr) == (why is not None and name != "false")
+        # recorded as it ran (compiled whole, the kernel resolved outside the graph), none for the padded forward
+        ran = json.loads((run_dir / "summary.json").read_text())
+        expect = (kernel, why) if name != "false" else (None, None)
+        assert (ran["attention_kernel"], ran["attention_kernel_reason"]) == expect, name
+        rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert {r["attention_kernel"] for r in rows} == {expect[0]}, name
         runs[name] = run_dir
     unpadded, compiled, padded = (losses(runs[k]) for k in ("true", "compiled", "false"))
     assert sorted(unpadded) == list(range(1, 7))
@@ -368,7 +383,10 @@ def test_wandb_offline(bert_data, tmp_path):
         env=env,
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "model.unpad: BERT computes its real tokens only, padded attention kernel" in res.stdout + res.stderr
+    line = "model.unpad: BERT computes its real tokens only, padded attention kernel (model.unpad_attention=padded)"
+    assert line in res.stdout + res.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["attention_kernel"], summary["attention_kernel_reason"]) == ("padded", None)
     runs = list((run_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
 
@@ -441,6 +459,10 @@ def test_neox_trains_and_reports_perplexity(gpt_data, tmp_path):
     assert "ZeRO 1" in res.stderr
     assert summary["eval_perplexity"] == pytest.approx(2.718281828 ** summary["eval_loss"], rel=1e-6)
     assert summary["eval_perplexity"] < 4000  # better than uniform over the 4000-entry vocabulary
+    # no unpadding, no attention kernel chosen: null in the summary and in every row
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert summary["attention_kernel"] is None and all(r["attention_kernel"] is None for r in rows) and rows
+    assert "real tokens only" not in res.stderr
     first, last = losses(run_dir)[1], losses(run_dir)[6]
     assert last < first
 

@@ -6,6 +6,7 @@ after the test."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -73,6 +74,12 @@ def _train(data: dict[str, Path], run_dir: Path, *settings: str) -> tuple[dict, 
     return perf, weights, saves
 
 
+def trainer_kernel(run_dir: Path) -> str:
+    """The one ``attention_kernel`` every row of the run's metrics.jsonl records."""
+    (kernel,) = {json.loads(line)["attention_kernel"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()}
+    return kernel
+
+
 def test_the_loop_saves_through_its_checkpointer_and_resumes_exactly(bert_data, tmp_path, world_of_one):
     """Every 2 steps in the background (the commit after every rank's files are durable, as the step's
     collective reports), the last step synchronously at the end; a run stopped at step 3 saves it, and its
@@ -80,6 +87,10 @@ def test_the_loop_saves_through_its_checkpointer_and_resumes_exactly(bert_data, 
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     perf, weights, saves = _train(bert_data, straight)
     assert perf["stopped"] == "" and perf["measured_steps"] > 0
+    # the kernel the model's forward ran, read through the family record (FP32: padded on a GPU, saying why)
+    cpu = not torch.cuda.is_available()
+    assert perf["attention_kernel"] == trainer_kernel(straight) == ("varlen-cpu" if cpu else "padded")
+    assert (perf["attention_kernel_reason"] is None) == cpu
     assert [(e["step"], "write_s" in e) for e in saves] == [(2, True), (4, True), (6, False)]
     ckpt_dir = straight / "checkpoints"
     assert checkpoint.read_latest(ckpt_dir) == checkpoint.tag_for(6)

@@ -24,7 +24,6 @@ from model.build import build_model
 from model.compile import compiled_modules
 from model.compile import wanted as compile_wanted
 from model.registry import family_of, get_spec, spec_to_dict
-from model.unpad import default_kernel
 from training import collectives
 from training.checkpoint.resume import RunIdentity
 from training.config import DataSection, ModelSection, OptimizerSection, ScheduleSection, TrainSection
@@ -217,7 +216,8 @@ def build_engine(
     family = family_of(spec)
     unpad = family.unpadded(model_cfg.unpad)  # decided here, given to the model at construction
     device = collectives.accelerator().device_name()
-    unpad_kernel = None  # auto: the device's default
+    unpad_kernel = None  # auto: the device's default. The kernel that runs is resolved in the model's forward,
+    # from its runtime device and dtype; the trainer logs it after the first step and records it (attention_kernel)
     if unpad and model_cfg.unpad_attention != "auto":
         unpad_kernel = {"loop": "varlen"}.get(model_cfg.unpad_attention, model_cfg.unpad_attention)
     build: dict[str, Any] = {
@@ -233,12 +233,6 @@ def build_engine(
         log.info(f"built under zero.Init: this rank holds {held:,} of {whole:,} parameters")
     else:
         model = build_model(spec, **build)
-    if unpad:
-        dtype = torch.bfloat16 if ds_config.get("bf16", {}).get("enabled") else torch.float32
-        if ds_config.get("fp16", {}).get("enabled"):
-            dtype = torch.float16
-        kernel = unpad_kernel or default_kernel(device, dtype, spec.hidden // spec.heads)
-        log.info(f"model.unpad: {family.title} computes its real tokens only, {kernel} attention kernel")
     if build["compile"]:
         log.info(f"model.compile: {len(compiled_modules(model))} transformer-block modules compiled (dynamic shapes)")
     seed_everything(train.seed + 1000 * rank)  # rank-specific dropout streams

@@ -179,6 +179,11 @@ class RunSummary:
     data_wait_fraction: float | None = None
     padding_fraction: float | None = None  # padded positions / positions read, this start (model.flops.Work)
     first_step_s: float | None = None  # this start's first step, compilation included (outside the window)
+    # the attention kernel the model ran over its packed tokens (model.unpad.RECORDED_KERNELS: varlen-flash,
+    # varlen-cpu, padded, jagged), resolved at run time from the device and dtype; None for a model that does not
+    # unpad (GPT-NeoX, BERT with model.unpad=false). What was asked is the config's model.unpad_attention.
+    attention_kernel: str | None = None
+    attention_kernel_reason: str | None = None  # why auto fell back from the varlen kernel, e.g. FP32 on CUDA
     goodput: dict[str, Any] | None = None
     segments: dict[str, Any] | None = None  # training.metrics.segments: figures per world size, and totals
     evaluation: dict[str, float] = field(default_factory=dict)

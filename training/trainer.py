@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import astuple, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +44,9 @@ from training.evaluate import evaluate
 from training.logbook import Logbook
 from training.metrics import flops_per_sec_per_device, mfu, throughput
 from training.watch import DataWatchdog, StopRequest
+
+if TYPE_CHECKING:
+    from model.unpad import AttentionKernel
 
 log = get_logger("train")
 
@@ -180,6 +183,27 @@ class Trainer:
         # this start's first step (compilation included): outside the window unless logging.warmup_steps=0
         self.first_step_s: float | None = None
 
+    @property
+    def attention_kernel(self) -> AttentionKernel | None:
+        """The attention kernel the model's last forward ran over its packed tokens (the family record's
+        ``attention_kernel``: resolved in the model's eager code from the runtime device and dtype), None for a
+        model that does not unpad; each metrics row and the summary record its name."""
+        return self.family.kernel_ran(self.engine.module)
+
+    def _kernel_record(self) -> dict[str, Any]:
+        ran = self.attention_kernel
+        return {"attention_kernel": None if ran is None else ran.name}
+
+    def _announce_kernel(self) -> None:
+        """After this start's first step, the kernel that ran beside the one asked for (and why auto fell back)."""
+        ran = self.attention_kernel
+        if ran is not None:
+            why = f"; {ran.reason}" if ran.reason else ""
+            log.info(
+                f"model.unpad: {self.family.title} computes its real tokens only, {ran.name} attention kernel "
+                f"(model.unpad_attention={ran.asked}{why})"
+            )
+
     # ------------------------------------------------------------------ state
     def progress(self) -> dict[str, Any]:
         """What a checkpoint holds beside the run's identity: the step counters and the data position."""
@@ -308,6 +332,7 @@ class Trainer:
             **(self.last_eval if with_eval else {}),
             **self.performance(),
             "peak_memory_bytes": peak_memory_bytes(),
+            **self._kernel_record(),
             **(compile_stats() or {}),
         }
         self.logbook.write(record)
@@ -335,6 +360,7 @@ class Trainer:
             if self.first_step_s is None:  # compilation (model.compile) and first-touch allocations included
                 synchronize()
                 self.first_step_s = time.perf_counter() - t_step
+                self._announce_kernel()
             step = self.state.step
             # the checkpointer's part of the step: a due save comes before this step's evaluation and log
             settle = functools.partial(self._settle, reduction)  # read only if the checkpointer saves
@@ -375,9 +401,12 @@ class Trainer:
             self.last_eval = self.evaluate()
             if self.last_eval:
                 log.info("evaluation: " + ", ".join(f"{k} {v:.4f}" for k, v in self.last_eval.items()))
-                self.logbook.write({"step": step, **self.last_eval})
+                self.logbook.write({"step": step, **self.last_eval, **self._kernel_record()})
+        ran = self.attention_kernel
         return {
             **perf,
+            "attention_kernel": None if ran is None else ran.name,
+            "attention_kernel_reason": None if ran is None else ran.reason,
             **self.clock.breakdown(),
             "measured_steps": self.clock.measured_steps,
             "padding_fraction": self.job_work.padding_fraction,
