@@ -218,6 +218,10 @@ def test_bench_train_profile(bench: TwoAtATime) -> None:
         assert is_quotient(share, ms, total, scale=100) and number(share) <= 100, (phase, ms, share, total)
         assert number(ms) > 0 or "data" in phase, (phase, ms)
     assert "Self CPU time total" in out
+    # the time split (the GPU call's profile: the share neither matmul nor attention), each share printed to 0.1%
+    ((matmul, attention, other),) = printed(rf"^CPU \(self\) time: matmul {NUM}%, attention {NUM}%, other {NUM}%", out)
+    assert number(matmul) > 0 and number(attention) > 0, out[-2000:]  # bert-debug runs both on the CPU
+    assert abs(number(matmul) + number(attention) + number(other) - 100) <= 0.15, (matmul, attention, other)
 
 
 @pytest.mark.slow
