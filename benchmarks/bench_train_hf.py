@@ -158,6 +158,16 @@ def build_peer_model(name: str, vocab_size: int, attention: str = "sdpa") -> tor
     return GPTNeoXForCausalLM(hf_config(spec, attention))
 
 
+def peer_attention_kernel(model: torch.nn.Module, family: str) -> str | None:
+    """The record's ``attention_kernel``, named as ``train.py``'s summary names its own (``model.unpad``): BERT's
+    ``transformers`` attention (``sdpa``: ``F.scaled_dot_product_attention``; ``eager``) over the padded rows
+    with a key mask, every position computed (``sdpa-padded``); None for GPT-NeoX, whose full causal windows
+    need no unpadding kernel on either side (its summary records null too)."""
+    if family != "bert":
+        return None
+    return f"{model.config._attn_implementation}-padded"
+
+
 def _peak_rss() -> int:
     import resource
 
@@ -321,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         "peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else _peak_rss(),
         **probe.result(measured),
         "compile": args.compile,
+        "attention_kernel": peer_attention_kernel(model, spec.family),
         "threads": torch.get_num_threads(),
         "optimizer": str(targs.optim.value if hasattr(targs.optim, "value") else targs.optim),
         "final_loss": float(result.training_loss),

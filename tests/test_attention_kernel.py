@@ -1,9 +1,11 @@
-"""The attention kernel that ran (``attention_kernel`` in summary.json and each metrics.jsonl row):
-``model.unpad.resolve_kernel`` for every CUDA case at an explicit compute capability, and the model's record of
-its own forward. The training runs' records are checked on the suite's shared runs (tests/test_train.py,
-tests/test_trainer.py)."""
+"""The attention kernel that ran (``attention_kernel`` in summary.json, each metrics.jsonl row and the benchmark
+records): ``model.unpad.resolve_kernel`` for every CUDA case at an explicit compute capability, the model's record
+of its own forward, and the Hugging Face Trainer's name for its kernel. The training runs' records are checked
+on the suite's shared runs (tests/test_train.py, tests/test_trainer.py)."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from model import attention as A
 from model import unpad
 from model.build import build_model
 from model.registry import family_of, get_spec
+from tests.conftest import REPO
 
 CUDA = torch.device("cuda")
 H100 = (9, 0)
@@ -100,6 +103,19 @@ def test_the_model_records_the_kernel_its_forward_ran() -> None:
             None if name is None else (asked or "auto", name, None)
         )
     assert family_of(get_spec("neox-debug")).kernel_ran(object()) is None
+
+
+def test_the_hf_trainer_records_sdpa_over_padded_rows() -> None:
+    """benchmarks/bench_train_hf.py: BERT's Trainer runs ``transformers``' SDPA over the padded rows; GPT-NeoX
+    records null on both sides."""
+    spec = importlib.util.spec_from_file_location("bench_train_hf", REPO / "benchmarks" / "bench_train_hf.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.peer_attention_kernel(bench.build_peer_model("bert-debug", 1000), "bert") == "sdpa-padded"
+    eager = bench.build_peer_model("bert-debug", 1000, attention="eager")
+    assert bench.peer_attention_kernel(eager, "bert") == "eager-padded"
+    assert bench.peer_attention_kernel(torch.nn.Linear(1, 1), "neox") is None
 
 
 @pytest.mark.cuda
