@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import SHARED_DATA, data_bert, run_python, start_ranks
+from tests.conftest import FP32, SHARED_DATA, data_bert, expect_error, run_python, start_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -210,10 +210,9 @@ def test_export_refusals_and_overwrite(bert_run, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def neox_run(tmp_path_factory, wiki_text_dir) -> dict[str, Path]:
-    """neox-debug trained 2 steps on 2 ranks with ZeRO-1 in bf16 (DeepSpeed's BF16 optimizer, whose partitions
-    ``zero_to_fp32`` cannot read), with a byte-level BPE trained on the sample."""
-    root = tmp_path_factory.mktemp("neoxexport")
+def gpt_shards(tmp_path_factory, wiki_text_dir) -> dict[str, Path]:
+    """A byte-level BPE trained on the sample, and seq-128 GPT shards made with it."""
+    root = tmp_path_factory.mktemp("gptshards")
     tok, shards = root / "tokenizer.json", root / "shards"
     for cmd in (
         ["vocab", str(wiki_text_dir), "--out", str(tok), "--size", "4000", "--kind", "bpe"],
@@ -232,6 +231,15 @@ def neox_run(tmp_path_factory, wiki_text_dir) -> dict[str, Path]:
     ):
         res = run_python(["-m", "data", *cmd])
         assert res.returncode == 0, res.stderr[-3000:]
+    return {"tokenizer": tok, "shards": shards}
+
+
+@pytest.fixture(scope="module")
+def neox_run(tmp_path_factory, gpt_shards) -> dict[str, Path]:
+    """neox-debug trained 2 steps on 2 ranks with ZeRO-1 in bf16 (DeepSpeed's BF16 optimizer, whose partitions
+    ``zero_to_fp32`` cannot read), with a byte-level BPE trained on the sample."""
+    root = tmp_path_factory.mktemp("neoxexport")
+    tok, shards = gpt_shards["tokenizer"], gpt_shards["shards"]
     ckpt = _train(
         root / "run",
         2,
@@ -274,6 +282,62 @@ def test_neox_export_reproduces_training_tokenizer_and_weights(neox_run, wiki_te
     with torch.no_grad():
         logits = model(**enc).logits
     assert logits.shape[:2] == enc["input_ids"].shape and torch.isfinite(logits).all()
+
+
+# ------------------------------------------------------------------------------------- a plug-in family
+
+PLUGIN = "tests.llamafamily"
+
+
+def test_a_plugin_family_exports_with_families_and_loads_in_transformers(gpt_shards, wiki_text_dir, tmp_path):
+    """A family from outside the package that wraps a ``transformers`` model (tests/llamafamily.py) trains
+    through model.families (2 steps, 2 ranks, ZeRO-2). Its export is refused, naming the module the run's config
+    lists, until ``--families`` names it (a checkpoint's list is never imported); then the export loads in
+    ``transformers`` and gives the logits of the trained model: the family's own, with the checkpoint's
+    weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.llamafamily import FAMILY
+    from training.checkpoint import storage
+
+    ckpt = _train(
+        tmp_path / "run",
+        2,
+        f"model.families=[{PLUGIN}]",
+        "model.name=hfllama-debug",
+        f"data.train={gpt_shards['shards']}",
+        f"data.eval={gpt_shards['shards']}",
+        f"data.vocab={gpt_shards['tokenizer']}",
+        "optimizer.name=adamw",
+        "deepspeed.zero_stage=2",
+        "train.global_batch=4",
+        "train.micro_batch=2",
+        FP32,
+    )
+    tag = (ckpt / "latest").read_text().strip()
+    out = tmp_path / "hf"
+    expect_error(
+        _export(str(ckpt), "--out", str(out)),
+        f"{ckpt / tag}: model family 'hfllama' is not registered (the run's config lists model.families=['{PLUGIN}'])",
+        f"; pass --families {PLUGIN} to import",
+    )
+    assert not out.exists()
+    res = _export(str(ckpt), "--out", str(out), "--families", PLUGIN)
+    assert res.returncode == 0, res.stderr[-3000:]
+    _assert_readable(out)
+
+    exported = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(exported).__name__ == "LlamaForCausalLM"
+    stored = storage.read_client_state(ckpt, tag)["model_spec"]
+    trained = FAMILY.build(FAMILY.spec_class(**{k: v for k, v in stored.items() if k != "padded_vocab"}), "eager")
+    states = torch.load(ckpt / tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=True)
+    trained.load_state_dict(states["module"])  # strict: every weight, each once
+    trained.eval()
+    ids = AutoTokenizer.from_pretrained(out)(_sample_sentences(wiki_text_dir)[0], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = exported(input_ids=ids).logits
+        assert torch.equal(logits, trained.hf(input_ids=ids).logits)
+    assert logits.shape == (1, ids.shape[1], trained.spec.padded_vocab) and torch.isfinite(logits).all()
 
 
 # ---------------------------------------------------------------- tokenizer writers, without a checkpoint

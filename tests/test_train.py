@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from data.loader import PretrainingLoader
-from tests.conftest import FP32, REPO, common, deepspeed, run_env, run_python
+from tests.conftest import FP32, REPO, common, deepspeed, expect_error, run_env, run_python
 from tests.prefork import SITECUSTOMIZE_ENV
 from training import events
 
@@ -470,7 +470,9 @@ def test_neox_trains_and_reports_perplexity(gpt_data, tmp_path):
 def test_a_family_from_outside_the_package_trains_evaluates_and_resumes(gpt_data, tmp_path):
     """A third model family, defined only by tests/toyfamily.py (its record and model) and brought in through
     model.families: it trains 2 steps and evaluates (its record's metric and logged loss part), resumes from the
-    step-2 checkpoint, and reports MFU from its record's FLOPs."""
+    step-2 checkpoint, and reports MFU from its record's FLOPs. Its export, given the module (``--families``),
+    finds the family and refuses it: the record names no ``transformers`` model (tests/test_export.py exports one
+    that does)."""
     run_dir = tmp_path / "run"
     args = [
         "--config",
@@ -513,6 +515,9 @@ def test_a_family_from_outside_the_package_trains_evaluates_and_resumes(gpt_data
     straight = tmp_path / "straight"
     assert single([*args, f"run.dir={straight}"]).returncode == 0
     assert losses(run_dir) == losses(straight)  # the resume is exact
+    export = ["-m", "training", "export", str(run_dir / "checkpoints"), "--out", str(tmp_path / "hf")]
+    refused = run_python([*export, "--families", "tests.toyfamily"])
+    expect_error(refused, f"{run_dir / 'checkpoints' / 'step00000003'}: model family 'toy' has no Hugging Face export")
 
 
 @pytest.mark.cuda  # on the GPU tier too: 2 ranks sharing its one GPU

@@ -1,4 +1,4 @@
-"""``python -m training export CKPT --out DIR``: a checkpoint -> a Hugging Face model directory."""
+"""``python -m training export CKPT --out DIR [--families MODULE...]``: a checkpoint -> a Hugging Face model."""
 
 from __future__ import annotations
 
@@ -17,7 +17,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     restrict()  # a checkpoint from elsewhere runs no code here either
 
-    out = export_checkpoint(args.checkpoint, args.out, tag=args.tag, tokenizer=args.tokenizer, overwrite=args.overwrite)
+    out = export_checkpoint(
+        args.checkpoint,
+        args.out,
+        tag=args.tag,
+        tokenizer=args.tokenizer,
+        overwrite=args.overwrite,
+        families=args.families,
+    )
     print(f"exported {args.checkpoint} -> {out}")
     return 0
 
@@ -31,6 +38,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tag", default=None, help="checkpoint tag (default: the latest complete one)")
     p.add_argument("--tokenizer", default=None, help="vocab.txt / tokenizer.json (default: the one the run used)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument(
+        "--families",
+        nargs="+",
+        default=[],
+        metavar="MODULE",
+        help="modules defining the checkpoint's model family when it is not built in (as model.families at "
+        "training time); those its config lists are never imported unasked",
+    )
     p.set_defaults(func=cmd_export)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -6,6 +6,10 @@ The FP32 master weights are consolidated into one state dict: ZeRO-1/2/3 shards 
 in the checkpoint, and the tokenizer is written from the very file the run trained with (checked against
 the hash the checkpoint recorded), so ``AutoTokenizer`` on the export gives the ids the shards hold.
 ``python -m training export CKPT --out DIR``.
+
+A family from outside the package (``model.families`` at training time) is registered from the modules the
+caller names (``--families``), never from those the checkpoint's config lists: importing a module is running its
+code, and a checkpoint may come from anyone. The refusal names them, so the user decides.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +27,7 @@ from common.atomic import atomic_path
 from common.errors import UserError
 from data.h5format import sha256_file
 from model.build import build_model, tied_names
-from model.registry import family_of, spec_from_dict
+from model.registry import FAMILIES, ModelSpec, family_of, load_families, spec_from_dict
 from training.checkpoint import storage as ckpt
 from training.checkpoint.safeload import refusing, restricted
 
@@ -116,6 +121,22 @@ def _training_tokenizer(client: dict, given: str | Path | None, what: str) -> Pa
     return path
 
 
+def _stored_spec(client: dict, where: Path) -> ModelSpec:
+    """The checkpoint's model spec; a family not registered here is refused, naming the modules its run
+    loaded it from (``model.families`` in the stored config) and the flag that registers them."""
+    stored = client["model_spec"]
+    name = stored.get("family")
+    if name not in FAMILIES:
+        listed = list((client.get("config") or {}).get("model", {}).get("families") or [])
+        modules = " ".join(map(str, listed)) or "MODULE"
+        run_had = f"model.families={listed}" if listed else "no model.families"
+        raise UserError(
+            f"{where}: model family {name!r} is not registered (the run's config lists {run_had}); "
+            f"pass --families {modules} to import the module(s) that define it"
+        )
+    return spec_from_dict(stored)
+
+
 def export_checkpoint(
     checkpoint: str | Path,
     out: str | Path,
@@ -123,8 +144,11 @@ def export_checkpoint(
     tag: str | None = None,
     tokenizer: str | Path | None = None,
     overwrite: bool = False,
+    families: Sequence[str] = (),
 ) -> Path:
-    """Write ``out``: the model (``save_pretrained``) and the run's tokenizer, files readable (0644)."""
+    """Write ``out``: the model (``save_pretrained``) and the run's tokenizer, files readable (0644).
+    ``families``: modules defining the checkpoint's family when it is not built in, registered first
+    (``model.registry.load_families``, as ``model.families`` is at training time)."""
     ckpt_dir, out = Path(checkpoint), Path(out)
     if not ckpt_dir.is_dir():
         raise UserError(f"checkpoint directory {ckpt_dir} does not exist")
@@ -134,8 +158,9 @@ def export_checkpoint(
         raise UserError(f"{ckpt_dir / tag} is not a complete checkpoint")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise UserError(f"output directory {out} is not empty (use --overwrite)")
+    load_families(families)
     client = ckpt.read_client_state(ckpt_dir, tag)
-    spec = spec_from_dict(client["model_spec"])
+    spec = _stored_spec(client, ckpt_dir / tag)
     family = family_of(spec)
     if family.save_tokenizer is None or family.transformers_model is None:
         raise UserError(f"{ckpt_dir / tag}: model family {family.name!r} has no Hugging Face export")
