@@ -16,4 +16,4 @@ python -c "import torch, deepspeed, transformers; print(f'torch {torch.__version
 # LANS/LAMB's C++ CPU kernels are built on first use (torch's JIT extension builder, ~25 s, cached under
 # ~/.cache/torch_extensions): build them now, so the first CPU training run does not stall on the compiler.
 # Not fatal: without a compiler the optimizer falls back to torch.compile or foreach, with a warning.
-python -c "from training.optim.lans import _cpu_kernels; print('LANS/LAMB CPU kernels:', 'built' if _cpu_kernels() is not None else 'not built (see the warning)')" 2>&1 | grep -v -i "accelerator to CPU" || true
+python -c "from training.optim.cpu_ext import cpu_kernels; print('LANS/LAMB CPU kernels:', 'built' if cpu_kernels() is not None else 'not built (see the warning)')" 2>&1 | grep -v -i "accelerator to CPU" || true

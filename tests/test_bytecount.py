@@ -35,7 +35,7 @@ def test_each_call_reads_its_inputs_and_writes_its_outputs_once() -> None:
 
 
 def test_a_custom_op_counts_by_its_arguments_and_its_mutations() -> None:
-    import training.optim.lans  # noqa: F401  (registers the flat-partition operators)
+    import training.optim.elementwise  # noqa: F401  (registers the flat-partition operators)
 
     w, r, c = torch.ones(N), torch.ones(N), torch.ones(N)
     frag, a = torch.zeros(N, dtype=torch.int32), torch.ones(1, 2)

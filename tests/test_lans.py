@@ -14,9 +14,11 @@ import torch
 from common.errors import UserError
 from tests.conftest import REPO, run_env, run_python
 from training.config import load_config
+from training.optim import backends, cpu_ext, elementwise
 from training.optim import lans as lans_mod
+from training.optim.elementwise import sum_of_squares
 from training.optim.factory import build_optimizer, param_groups
-from training.optim.lans import LAMB, LANS, sum_of_squares
+from training.optim.lans import LAMB, LANS
 from training.optim.zero_map import GroupLayout
 
 
@@ -221,9 +223,19 @@ def test_build_optimizer_passes_trust_no_decay_and_recipes_set_it() -> None:
         assert load_config(recipe).optimizer.trust_no_decay is False, recipe
 
 
-def test_zero_map_does_not_import_lans() -> None:
-    """One import direction: training.optim.lans -> training.optim.zero_map, not even a lazy import back."""
-    tree = ast.parse((REPO / "training" / "optim" / "zero_map.py").read_text())
+@pytest.mark.parametrize(
+    ("module", "above"),
+    [
+        ("zero_map", ("lans", "backends", "elementwise", "cpu_ext")),
+        ("backends", ("lans",)),
+        ("elementwise", ("lans", "backends", "cpu_ext")),
+        ("cpu_ext", ("lans", "backends", "elementwise")),
+    ],
+)
+def test_the_optimizer_modules_import_one_way(module: str, above: tuple[str, ...]) -> None:
+    """One import direction: lans (the optimizer) -> backends (the implementations) -> elementwise, cpu_ext
+    (the kernels), and lans -> zero_map; not even a lazy import back."""
+    tree = ast.parse((REPO / "training" / "optim" / f"{module}.py").read_text())
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -231,8 +243,9 @@ def test_zero_map_does_not_import_lans() -> None:
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module or "")
             imported |= {f"{node.module}.{a.name}" for a in node.names}
-    assert "torch" in imported  # the walk sees the module's imports
-    assert not [m for m in imported if m == "training.optim.lans" or m.startswith("training.optim.lans.")]
+    assert "__future__.annotations" in imported  # the walk sees the module's imports
+    back = [f"training.optim.{m}" for m in above]
+    assert not [m for m in imported if m in back or m.startswith(tuple(f"{b}." for b in back))]
 
 
 def test_fragments_an_implementation_does_not_take_go_to_its_fallback() -> None:
@@ -247,16 +260,16 @@ def test_fragments_an_implementation_does_not_take_go_to_its_fallback() -> None:
     frags = opt._collect(opt.param_groups[0])
     assert frags is not None and len(frags) == 5
     routes = {}
-    for kernels in (lans_mod._CppKernels, lans_mod._CompiledKernels, lans_mod._ForeachKernels, lans_mod._FlatKernels):
+    for kernels in (backends.CppKernels, backends.CompiledKernels, backends.ForeachKernels, backends.FlatKernels):
         k = kernels(frags, range(len(frags)), opt)
         routes[k.name] = (k.idx, k.rest and (type(k.rest).__name__, k.rest.idx, k.rest.rest))
     assert routes == {
-        "cpu": ([0, 2, 4], ("_ForeachKernels", [1, 3], None)),
-        "fused": ([0, 2], ("_ForeachKernels", [1, 3, 4], None)),
+        "cpu": ([0, 2, 4], ("ForeachKernels", [1, 3], None)),
+        "fused": ([0, 2], ("ForeachKernels", [1, 3, 4], None)),
         "foreach": ([0, 1, 2, 3, 4], None),
-        "multi": ([], ("_ForeachKernels", [0, 1, 2, 3, 4], None)),  # no flat partition here; on CPU: foreach
+        "multi": ([], ("ForeachKernels", [0, 1, 2, 3, 4], None)),  # no flat partition here; on CPU: foreach
     }
-    assert lans_mod.IMPLS == ("auto", "cpu", "multi", "fused", "foreach")
+    assert backends.IMPLS == ("auto", "cpu", "multi", "fused", "foreach")
 
 
 @pytest.mark.parametrize("impl", ["cpu", "fused", "foreach", "multi"])
@@ -316,13 +329,13 @@ def test_flat_partition_path_matches_reference(cls, dtype: torch.dtype, monkeypa
     ref = [t.double().clone() for t in init]
     states = [{"m": torch.zeros_like(t), "v": torch.zeros_like(t)} for t in ref]
     taken: list[bool] = []
-    real_init = lans_mod._FlatKernels.__init__
+    real_init = backends.FlatKernels.__init__
 
     def spy(self, *args, **kwargs) -> None:
         real_init(self, *args, **kwargs)
         taken.append(self.rest is None and len(self.idx) == 4)
 
-    monkeypatch.setattr(lans_mod._FlatKernels, "__init__", spy)
+    monkeypatch.setattr(backends.FlatKernels, "__init__", spy)
     for step in range(1, 6):
         torch.manual_seed(40 + step)
         grads = [torch.randn(n, dtype=dtype) for n in numels]
@@ -347,7 +360,7 @@ def test_flat_partition_path_matches_reference(cls, dtype: torch.dtype, monkeypa
     assert taken == [True] * 5 and opt.last_impl == "multi"
     # the fused operators ran compiled (a failed compile would fall back to their eager bodies with a warning)
     kernels = ("flat_moments", "flat_update")
-    assert all(k in lans_mod._COMPILED and (k, "cpu") not in lans_mod._EAGER for k in kernels)
+    assert all(k in elementwise._COMPILED and (k, "cpu") not in elementwise._EAGER for k in kernels)
     assert opt.state[flat]["exp_avg"].dtype == dtype
     assert not torch.equal(flat.detach(), torch.cat(init))
 
@@ -471,7 +484,7 @@ def sumsq_relative_errors(cpp: bool) -> dict[str, float]:
     assert eager.dtype == torch.float64 and eager[1] == 25.0
     got["eager fp32"], got["eager bf16"] = (float(eager[0]), "fp32"), (float(eager[2]), "bf16")
     if cpp:
-        ext = lans_mod._cpu_kernels(required=True)
+        ext = cpu_ext.cpu_kernels(required=True)
         native = ext.sum_of_squares([big, half])
         got["cpp fp32"], got["cpp bf16"] = (float(native[0]), "fp32"), (float(native[1]), "bf16")
         # moments_sumsq with g = m = v = 0, wd_r = wd_c = 1: r' = c' = w, so all three sums are sum w^2
@@ -481,8 +494,8 @@ def sumsq_relative_errors(cpp: bool) -> dict[str, float]:
         for j, name in enumerate(("r", "c", "w")):
             got[f"cpp moments {name}"] = (float(parts[0, j]), "fp32")
         # the torch.compile'd sums of squares (impl "fused"), same inputs
-        lans_sums = lans_mod._compiled("lans_sumsq")(zeros[0], big, zeros[1], zeros[2], sc[0])
-        lamb_sums = lans_mod._compiled("lamb_sumsq")(zeros[0], big, zeros[1], zeros[2], sc[0])
+        lans_sums = elementwise.compiled("lans_sumsq")(zeros[0], big, zeros[1], zeros[2], sc[0])
+        lamb_sums = elementwise.compiled("lamb_sumsq")(zeros[0], big, zeros[1], zeros[2], sc[0])
         for j, name in enumerate(("r", "c", "w")):
             got[f"fused lans {name}"] = (float(lans_sums[j]), "fp32")
         got["fused lamb u"] = (float(lamb_sums[0]), "fp32")
@@ -535,8 +548,8 @@ def test_implementations_agree_and_compiled_graphs_stay_bounded() -> None:
     parameters: the C++ and compiled paths equal the eager foreach path, and the compiled kernels stay a
     bounded set of graphs, never dynamo's limit (past it a kernel would silently run eagerly)."""
     torch._dynamo.reset()  # count from an empty cache (earlier tests compile small-size variants on purpose)
-    lans_mod._COMPILED.clear()
-    lans_mod._WARMED.clear()
+    elementwise._COMPILED.clear()
+    elementwise._WARMED.clear()
     torch.manual_seed(4)
     sizes = [(300, 300), (70_001,), (1 << 16,), (256, 1024), (5,), (1,)]
 
@@ -563,7 +576,7 @@ def test_implementations_agree_and_compiled_graphs_stay_bounded() -> None:
                     torch.testing.assert_close(wp, wq, rtol=1e-5, atol=1e-6, msg=f"{cls.__name__} {impl} {dtype}")
                     assert not torch.equal(wq, q0)  # the step moved the weights
     limit = torch._dynamo.config.recompile_limit
-    for name, fn in lans_mod._COMPILED.items():
+    for name, fn in elementwise._COMPILED.items():
         code = fn._torchdynamo_orig_callable.__code__
         n = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
         assert 1 <= n <= 4 < limit, (name, n)

@@ -7,9 +7,9 @@
 // give 48-bit products) and >= 0, so however -march=native vectorises the double additions (4 lanes with
 // AVX2, 8 with AVX-512, several accumulators), n terms carry a relative error of at most
 // gamma_n = n u / (1 - n u), u = 2^-53 (Higham 2002, section 4.2): ISA-independent, the bound of
-// training/optim/lans.py's sum_of_squares. The double accumulators cost nothing measurable (memory-bound).
+// training/optim/elementwise.py's sum_of_squares. The double accumulators cost nothing measurable (memory-bound).
 //
-// Per fragment f, sc[f] = [s, 1-b1, b2, 1-b2, eps', wd_r, wd_c] and a[f] = [a_r, a_c] (see lans.py):
+// Per fragment f, sc[f] = [s, 1-b1, b2, 1-b2, eps', wd_r, wd_c] and a[f] = [a_r, a_c] (see elementwise.py):
 //   moments_sumsq: gt = s g ; m <- m + (1-b1)(gt - m) ; v <- b2 v + (1-b2) gt^2 ;
 //                  returns per fragment [sum r'^2, sum c'^2, sum w^2], r' = m/(sqrt v + eps') + wd_r w,
 //                  c' = gt/(sqrt v + eps') + wd_c w
