@@ -286,7 +286,15 @@ def _flash_forward(q, k, v, cu, max_seqlen: int, p: float):
     out, lse, rng_state, unused, _ = _aten._flash_attention_forward(
         q, k, v, cu, cu, max_seqlen, max_seqlen, p, False, False, scale=_scale(q.size(-1))
     )
-    return out.contiguous(), lse, rng_state, unused
+    if p <= 0:  # no dropout: the kernel leaves them unwritten; zeros keep the outputs a function of the inputs
+        rng_state, unused = torch.zeros_like(rng_state), torch.zeros_like(unused)
+    return out.contiguous(), lse, _as_int64(rng_state), _as_int64(unused)
+
+
+def _as_int64(x: torch.Tensor) -> torch.Tensor:
+    """The flash kernel's uint64 philox state seen as int64, the same bits (a view): torch supports few uint64
+    operations (opcheck and autograd compare and sum the outputs), and the CPU kernel's seed is int64 too."""
+    return x.view(torch.int64) if x.dtype == torch.uint64 else x
 
 
 def _aux_cpu(q: torch.Tensor, seed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -339,7 +347,8 @@ def varlen_attn_backward(
 
 def _flash_backward(grad, q, k, v, out, lse, rng_state, unused, cu, max_seqlen: int, p: float):
     check_flash_inputs(BACKWARD_OP, cu, q, k, v, out, grad)
-    args = (grad.contiguous(), q, k, v, out, lse, cu, cu, max_seqlen, max_seqlen, p, False, rng_state, unused)
+    state = (x.view(torch.uint64) for x in (rng_state, unused))  # back to the kernel's own uint64
+    args = (grad.contiguous(), q, k, v, out, lse, cu, cu, max_seqlen, max_seqlen, p, False, *state)
     dq, dk, dv = _aten._flash_attention_backward(*args, scale=_scale(q.size(-1)))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 

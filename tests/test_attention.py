@@ -178,7 +178,7 @@ def test_the_cuda_branch_calls_flash_as_its_schema_says(monkeypatch) -> None:
     """On fake CUDA tensors (BF16, 40 tokens in 5 sequences, 4 heads of 64): the forward passes q, k, v,
     cu_seqlens twice, the host maximum twice, dropout_p, not causal, no debug mask and the scale; the backward
     passes the incoming gradient, q, k, v, the forward's output, logsumexp, cu_seqlens, the maxima, dropout_p and
-    the forward's rng_state and unused, and returns gradients shaped as q, k and v."""
+    the forward's rng_state and unused (out as int64, back as the kernel's uint64), and returns gradients shaped as q, k and v."""
     calls: list[tuple[str, tuple, dict]] = []
 
     def recorded(name: str):
@@ -208,7 +208,9 @@ def test_the_cuda_branch_calls_flash_as_its_schema_says(monkeypatch) -> None:
     assert fwd[5:] == (longest, longest, p, False, False) and fwd_kw == {"scale": dim**-0.5}
     assert bwd[0] is grad and bwd[1] is q and bwd[2] is k and bwd[3] is v and bwd[4] is out and bwd[5] is lse
     assert bwd[6] is cu and bwd[7] is cu and bwd[8:12] == (longest, longest, p, False)
-    assert bwd[12] is rng_state and bwd[13] is unused and bwd_kw == {"scale": dim**-0.5}
+    # the philox state goes out as int64 (torch supports few uint64 operations) and back as the kernel's uint64
+    assert rng_state.dtype == unused.dtype == torch.int64 and bwd_kw == {"scale": dim**-0.5}
+    assert (bwd[12].dtype, bwd[12].shape, bwd[13].dtype, bwd[13].shape) == (torch.uint64, (2,), torch.uint64, ())
     assert out.shape == (t, heads, dim) and out.dtype == torch.bfloat16 and out.device.type == "cuda"
     assert lse.shape == (heads, t) and lse.dtype == torch.float32
     assert all(g.shape == q.shape and g.dtype == q.dtype and g.device.type == "cuda" for g in (dq, dk, dv))
