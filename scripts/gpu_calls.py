@@ -192,6 +192,7 @@ class Call:
         self.bench = self.work / "bench"
         self.logs = self.work / "logs"
         self.start = time.monotonic()
+        self.cut = False
         self.deadline = self.start + call_s
         self.records = self.out / "rows.jsonl"
         self.history = self.work / "records.jsonl"  # every call's records on this machine
@@ -261,7 +262,9 @@ class Call:
     # ------------------------------------------------------------------ steps
 
     def command(self, cmd: list[str], name: str, limit: float, stdout: Path | None = None) -> bool:
-        """``cmd`` with its output in ``$WORK/logs/NAME.log`` (and ``stdout``), cut at ``limit`` seconds."""
+        """``cmd`` with its output in ``$WORK/logs/NAME.log`` (and ``stdout``), cut at ``limit`` seconds: whether
+        it ended well (``self.cut``: whether it was cut)."""
+        self.cut = False
         log_path = self.logs / f"{name}.log"
         with open(log_path, "w", encoding="utf-8") as f:
             f.write(f"$ {shlex.join(cmd)}\n")
@@ -273,6 +276,7 @@ class Call:
                 rc = proc.wait(timeout=limit)
             except subprocess.TimeoutExpired:
                 end_group(proc)
+                self.cut = True
                 self.say(f"   cut at {limit:.0f} s; see {log_path}")
                 return False
         if stdout is not None:
@@ -346,8 +350,9 @@ class Call:
             cmd += ["--profile-out", str(self.out / "profile.txt")]
         ok = self.command(cmd, f"{step.row}-{str(step.only).replace(':', '-')}", limit)
         new = read_records(self.records)[before:]
-        if not new:  # cut before its own limit: the record bench_train.py could not write
-            self.record(step, "timeout" if self.left() <= 0 or not ok else "failed", "no record written by the run")
+        if not new:  # cut before its own limit, or failed before its run: the record bench_train.py did not write
+            why = f"cut at its time limit of {limit:.0f} s" if self.cut else "benchmarks/bench_train.py wrote no record"
+            self.record(step, "timeout" if self.cut else "failed", f"{why}; see {self.logs}")
             new = read_records(self.records)[before:]
         with open(self.history, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in new)
@@ -370,7 +375,7 @@ class Call:
             f.write(json.dumps(rec) + "\n")
 
     def measured_before(self, step: Step) -> bool:
-        side, _, optimizer = str(step.only).partition(":")
+        side = str(step.only).partition(":")[0]
         return any(
             r.get("row") == step.row and r.get("side") == side and r.get("status") == "ok"
             for r in read_records(self.history)
