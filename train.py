@@ -35,6 +35,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(cfg: Config) -> int:
+    # on call (start-up time): torch loads once the arguments and the config are read, so --help and a bad config
+    # answer at once (the imports at the top load no torch)
     from training import collectives
     from training.trainer import exit_code
 
@@ -68,6 +70,7 @@ def prepare(cfg: Config) -> Start | None:
     """Everything before the first step, on every rank: the process group, the data, the model and its engine,
     the trainer with its checkpointer, and the resume (or ``train.init_from``). None: the checkpoint is
     already at ``train.steps``. The caller runs the trainer and closes it (and ends the process group)."""
+    # on call (start-up time), as in run
     from model.registry import family_of, get_spec
     from training import collectives
     from training import engine as ds_engine
@@ -115,6 +118,7 @@ def prepare(cfg: Config) -> Start | None:
 
 def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir: Path):
     """The trainer of this start, with its checkpointer, logbook and data watchdog, and the run's facts."""
+    # on call (start-up time), as in run
     from common.cluster import node_count
     from model.flops import WorkCounter
     from training import collectives
@@ -172,6 +176,7 @@ def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir:
 
 def run_facts(cfg: Config, spec, family, world: int, grad_accum: int, engine, events_to):
     """What this start of the run is (``training.metrics.RunFacts``); ranks of one job report one peak."""
+    # on call (start-up time), as in run
     from model.flops import training_flops_per_token
     from training import collectives, devices
     from training import engine as ds_engine
@@ -207,6 +212,7 @@ def run_facts(cfg: Config, spec, family, world: int, grad_accum: int, engine, ev
 def announce(cfg: Config, facts, ds_config: dict, trainer, point) -> float:
     """Before the first step: rank 0 writes the resolved configs, the run's line and the start events. Returns
     the start-up time (process start to here)."""
+    # on call (start-up time), as in run
     from common.atomic import atomic_write_json
     from training import collectives, events
     from training.clock import process_age_s
@@ -251,6 +257,7 @@ def announce(cfg: Config, facts, ds_config: dict, trainer, point) -> float:
 
 def report(facts, trainer, perf: dict, startup_s: float) -> None:
     """After the last step: the finish event, the replica digests, and rank 0's summary.json."""
+    # on call (start-up time), as in run
     from common.atomic import atomic_write_json
     from training import collectives, events
     from training.checkpoint.replicas import write_replica_digest
@@ -291,7 +298,7 @@ def report(facts, trainer, perf: dict, startup_s: float) -> None:
 
 
 def _threads() -> int:
-    import torch
+    import torch  # on call (start-up time), as in run
 
     return torch.get_num_threads()
 
@@ -311,7 +318,7 @@ def end_rank(cfg: Config | None, why: str, line: str) -> NoReturn:
     without a teardown (it would wait on ranks blocked in the step's collective)."""
     rank = os.environ.get("RANK", "0")
     if cfg is not None:
-        from training import events
+        from training import events  # on call: beside train.py's other imports on call (to the top in #52 item 1)
 
         events.record(Path(cfg.run.dir), "failure", rank=int(rank), why=why)
     print(f"error: rank {rank}: {line}", file=sys.stderr, flush=True)
@@ -325,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
-            from training.engine import check_setup, deepspeed_config
+            from training.engine import check_setup, deepspeed_config  # on call (start-up time), as in run
 
             check_setup(cfg)
             accum = gradient_accumulation(cfg.train, int(os.environ.get("WORLD_SIZE", "1")))
@@ -341,18 +348,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr, flush=True)
         under_agent = "TORCHELASTIC_RUN_ID" in os.environ  # launch elastic must not retry it: it reads this
         own = int(os.environ.get("RANK", "0"))
-        from training import events
+        from training import events  # on call: as in end_rank
 
         if cfg is not None and isinstance(e, ShardDamaged):  # a run's failure, not a start refused: goodput's
             events.record(Path(cfg.run.dir), "failure", rank=own, why=str(e))
         if cfg is not None and under_agent and (own == 0 or isinstance(e, RankError)):
             events.record(Path(cfg.run.dir), "user_error", rank=own, message=str(e))
         if cfg is not None and under_agent and os.environ.get(SUPERVISED_ENV):
-            import time
+            import time  # on call: as in end_rank
 
             time.sleep(USER_ERROR_WAIT_S)  # launch elastic ends this process meanwhile (see SUPERVISED_ENV)
         return EXIT_USER_ERROR
     except RuntimeError as e:  # torch.distributed's DistBackendError included
+        # on call (start-up time), as in run: loaded already by the time a collective fails
         from training import engine as ds_engine
         from training.collectives import peer_lost
 
@@ -365,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dump = ds_engine.flight_recorder_note(int(os.environ.get("RANK", "0")), os.environ)
         end_rank(cfg, why, f"{why}; the job ends here and resumes from its last checkpoint ({first}){dump}")
     finally:
-        from common.process import end_process_group
+        from common.process import end_process_group  # on call: as in end_rank
 
         end_process_group()
 

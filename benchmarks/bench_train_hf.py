@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             self.t1: float | None = None
             self.cpu0 = self.cpu1 = 0.0
 
-        def on_step_end(self, a, state, control, **kw):  # noqa: ARG002
+        def on_step_end(self, a, state, control, **kw):  # TrainerCallback's signature
             if cuda and state.global_step in (args.warmup, args.steps):
                 torch.cuda.synchronize()
             if state.global_step == args.warmup:

@@ -7,7 +7,7 @@ import os
 
 def installed_version(name: str) -> str | None:
     """The version of the installed distribution ``name`` (as pip names it), or None when it is not installed."""
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import PackageNotFoundError, version  # on call (start-up time): python_path needs none
 
     try:
         return version(name)

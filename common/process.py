@@ -44,7 +44,7 @@ def end_process_group() -> None:
     exception``) after its work is done: a benchmark's or a test's worker then reads as failed. Every process
     that starts a group ends it in a ``finally`` with this (``tests/test_process_groups.py`` holds the code to
     it), or leaves through :func:`exit_fast` / ``os._exit``, which run no C++ destructor."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # on call (start-up time): the launchers import this module without torch
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -75,7 +75,7 @@ def count_warned_syncs(step: Callable[[], Any], steps: int) -> HostSyncs:
 @contextlib.contextmanager
 def cuda_sync_debug(mode: str = "warn") -> Iterator[None]:
     """CUDA's sync debug mode set to ``mode`` inside, the previous mode restored afterwards."""
-    import torch
+    import torch  # on call: count_warned_syncs needs no torch (the docstring above)
 
     previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode(mode)
@@ -91,7 +91,7 @@ def count_host_syncs(step: Callable[[], Any], steps: int = 3, warmup: int = 1, d
     ``device``: where ``step`` runs (default: CUDA when available). The warm-up absorbs one-time syncs (lazy
     initialisation, allocator growth); the device is drained before and after the counted steps, outside them.
     """
-    import torch
+    import torch  # on call: as in cuda_sync_debug
 
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type != "cuda":

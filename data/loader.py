@@ -410,7 +410,7 @@ class _Schedule:
             yield [next(it) for _ in range(per_chunk)]
 
 
-def _outlive_sigterm(signum: int, frame: Any) -> None:  # noqa: ARG001
+def _outlive_sigterm(signum: int, frame: Any) -> None:  # a signal handler's signature
     signal.alarm(WORKER_GRACE_S)  # SIGALRM's default action ends the process
 
 

@@ -32,10 +32,12 @@ import hashlib
 import importlib.util
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
@@ -50,6 +52,7 @@ from packaging.version import InvalidVersion, Version
 from common.errors import UserError
 from common.log import get_logger
 from common.packages import installed_version
+from data.sample import sample_dump_path
 
 log = get_logger("bundle")
 
@@ -288,7 +291,7 @@ def resolve(target: Target, roots: list[str], scratch: Path, offline_from: Path 
     its path, so "already installed" means "the target has it". With ``offline_from``, pip sees nothing but
     that folder (``--no-index --find-links``, no configuration file, no PIP_* variable), as on the target.
     """
-    import pip as _pip
+    import pip as _pip  # on call: only resolving runs pip, and an environment may lack it
 
     work = scratch / ("verify" if offline_from else "resolve")
     pip_root = work / "pip-root"
@@ -311,7 +314,7 @@ def download_build_backend(project: Path, target: Target, out: Path, scratch: Pa
     """Wheels of the project's [build-system] requires, so ``pip install -e .`` works offline on the target
     (pip's build isolation installs them from the bundle). Returns their canonical names."""
     try:
-        import tomllib
+        import tomllib  # on call: Python 3.10 lacks it, and only --build-backend reads a pyproject.toml
     except ImportError:  # Python 3.10
         raise UserError("--build-backend reads pyproject.toml with tomllib: run with Python >= 3.11") from None
     path = project / "pyproject.toml"
@@ -413,8 +416,6 @@ def build_bundle(
             }
         )
     if sample:
-        from data.sample import sample_dump_path
-
         dump = sample_dump_path()
         (out / SAMPLE_DIR).mkdir()
         dst = out / SAMPLE_DIR / dump.name
@@ -486,14 +487,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def host_platforms() -> list[str]:
     """This machine's most specific manylinux tag and the manylinux2014 alias (pip accepts older ones too)."""
-    import sysconfig
-
     plat = sysconfig.get_platform().replace("-", "_").replace(".", "_")
     if plat.startswith("linux_"):
         machine = plat.removeprefix("linux_")
-        import platform as _p
-
-        libc, ver = _p.libc_ver()
+        libc, ver = platform.libc_ver()
         if libc == "glibc" and ver:
             major, minor = ver.split(".")[:2]
             return [f"manylinux_{major}_{minor}_{machine}", f"manylinux2014_{machine}", f"linux_{machine}"]

@@ -36,6 +36,7 @@ import argparse
 import os
 import re
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -43,8 +44,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from common.atomic import atomic_write_json
 from common.errors import UserError
 from common.net import free_port, own_address
+from common.process import end_process_group
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 PUBLISHED_ROW_BYTES = 32 * 1024 * 1024
@@ -146,7 +149,7 @@ class _Collectives:
 
 def _bench_one(fn: Callable[[], None], iters: int, warmup: int, budget_s: float, sync: Callable) -> tuple[float, int]:
     """Mean seconds per call (slowest rank) and the iteration count used."""
-    from training import collectives
+    from training import collectives  # on call (start-up time): torch, which the launching side never loads
 
     for _ in range(warmup):
         fn()
@@ -191,16 +194,15 @@ def format_table(results: list[dict[str, Any]], world: int) -> str:
 
 def run_rank(args: argparse.Namespace) -> int:
     """The benchmark, in every rank started by the DeepSpeed launcher: its process group, ended here."""
+    # on call (start-up time): torch and DeepSpeed load in the ranks only; `launch commbench` itself needs neither
     import deepspeed
     import torch
     from deepspeed.accelerator import get_accelerator
 
-    from common.process import end_process_group
-
     accel = get_accelerator()
     on_cpu = accel.device_name() == "cpu"
     if on_cpu:
-        from training.engine import no_shm_all_reduce
+        from training.engine import no_shm_all_reduce  # on call (start-up time): torch and DeepSpeed
 
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
         no_shm_all_reduce()  # nothing left in /dev/shm
@@ -213,6 +215,7 @@ def run_rank(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace, on_cpu: bool) -> int:
     """The measurements, in a rank whose process group is up."""
+    # on call (start-up time): torch and DeepSpeed load in the ranks only, as in run_rank
     import deepspeed
     import deepspeed.comm as dist
     import torch
@@ -236,10 +239,8 @@ def _bench(args: argparse.Namespace, on_cpu: bool) -> int:
         "backend": dist.get_backend() if hasattr(dist, "get_backend") else accel.communication_backend_name(),
     }
     if args.rank_info:
-        from common.atomic import atomic_write_json
-
         atomic_write_json(Path(args.rank_info) / f"rank{rank}.json", info)
-    from training import collectives
+    from training import collectives  # on call (start-up time): torch
 
     everyone = collectives.all_gather_object(info)
 
@@ -250,7 +251,7 @@ def _bench(args: argparse.Namespace, on_cpu: bool) -> int:
         raise UserError(f"unknown op(s) {bad}; choose from {', '.join(OPS)}")
     budget = args.time_budget_s if args.time_budget_s is not None else (2.0 if on_cpu else 0.0)
     if args.api == "torch":  # the peer: the same calls straight to torch.distributed, bypassing deepspeed.comm
-        import torch.distributed as tdist
+        import torch.distributed as tdist  # on call (start-up time): torch, as above
 
         colls = _Collectives(tdist, world)
     else:
@@ -285,8 +286,6 @@ def _bench(args: argparse.Namespace, on_cpu: bool) -> int:
         )
         print(format_table(results, world), flush=True)
         if args.out:
-            from common.atomic import atomic_write_json
-
             atomic_write_json(
                 args.out,
                 {
@@ -354,8 +353,6 @@ def rank_argv(args: argparse.Namespace) -> list[str]:
 
 def launch_local(args: argparse.Namespace) -> int:
     """Start ``deepspeed --num_gpus N --module launch commbench ...`` on this machine and wait for it."""
-    import subprocess
-
     if args.launch_local < 1:
         raise UserError(f"--launch-local must be >= 1 (got {args.launch_local})")
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(args.launch_local)]

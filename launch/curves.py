@@ -13,6 +13,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+from common.atomic import atomic_write_json
 from common.errors import UserError
 
 
@@ -38,7 +39,7 @@ def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
 def mlm_majority_baseline(eval_dir: Path, n: int) -> tuple[int, float]:
     """(token id, accuracy) of always predicting the most frequent masked token of the first ``n`` held-out
     samples: the samples the run evaluates on (``train.eval_samples``)."""
-    from data.loader import EvalSet
+    from data.loader import EvalSet  # on call (start-up time): the loader loads torch; drawing a curve does not
 
     labels: Counter[int] = Counter()
     for batch in EvalSet(eval_dir, "bert", n, micro_batch=64, dp_rank=0, dp_world=1):
@@ -52,12 +53,12 @@ def mlm_majority_baseline(eval_dir: Path, n: int) -> tuple[int, float]:
 
 def plot(run_dir: Path, out: Path, baseline: float | None = None) -> Path:
     try:
-        import matplotlib
+        import matplotlib  # on call: an optional extra (plot), needed only to draw
     except ImportError:
         raise UserError("plotting needs matplotlib: pip install 'wikipretrain[plot]'") from None
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use: pyplot takes its backend when imported
 
     train, evals = read_metrics(run_dir)
     if not train:
@@ -115,8 +116,6 @@ def run(args: argparse.Namespace) -> int:
         config = json.loads((args.run_dir / "config.json").read_text())
         token, baseline = mlm_majority_baseline(args.eval_data, config["train"]["eval_samples"])
         print(f"MLM baseline: always predicting token {token} scores {baseline:.4f} on the held-out samples")
-        from common.atomic import atomic_write_json
-
         atomic_write_json(out.with_suffix(".json"), {"mlm_majority_token": token, "mlm_majority_accuracy": baseline})
     print(f"wrote {plot(args.run_dir, out, baseline)}")
     return 0

@@ -231,6 +231,8 @@ def agent_main(argv: list[str]) -> int:
         return EXIT_USER_ERROR
     run_dir, torchrun_args = Path(argv[0].split("=", 1)[1]), argv[3:]
 
+    # on call (start-up time): only the agent's process loads torch; `launch elastic`, which imports this module
+    # to start it, does not
     import torch
     import torch.distributed.launcher.api as launcher_api
     from torch.distributed import run as torchrun
@@ -312,7 +314,7 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, g
     agent = subprocess.Popen(cmd, env=env, start_new_session=True)  # signals come through us, once
     seen: dict[int, psutil.Process] = {}
 
-    def forward(signum, frame) -> None:  # noqa: ARG001
+    def forward(signum, frame) -> None:  # a signal handler's signature
         if not signalled:  # a second signal would cut short the agent's wait for its ranks' saves
             events.record(run_dir, "preempted", signal=signal.Signals(signum).name, host=socket.gethostname())
             if agent.poll() is None:

@@ -20,6 +20,7 @@ from typing import Any
 from common.atomic import atomic_write_text
 from common.errors import UserError
 from launch.hosts import DEFAULT_REGISTRATION_PORT, SECRET_ENV
+from launch.profiles import load_profile
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 REPO = Path(__file__).resolve().parents[1]
@@ -102,8 +103,6 @@ def render_entrypoint(args: argparse.Namespace) -> str:
 
 def render_awsbatch_jobdef(args: argparse.Namespace) -> dict[str, Any]:
     """Multi-node parallel job definition: every node runs the entrypoint; EFA devices passed through."""
-    from launch.profiles import load_profile
-
     profile = load_profile(args.profile)
     if not args.image:
         raise UserError("--image is required for awsbatch (the container image with the repository)")

@@ -36,6 +36,7 @@ from typing import Any, TypeGuard
 from common.atomic import atomic_path, atomic_write_json, atomic_write_text
 from common.errors import UserError
 from common.log import get_logger
+from launch.profiles import load_profile
 from training.metrics import RunSummary, scaling_efficiency
 
 log = get_logger("launch.report")
@@ -197,6 +198,8 @@ class Recipe:
 
 def load_phase(name_or_path: str) -> Phase:
     """A recipe name (``neox-20b``) or YAML, through ``training.config.load_config`` (``base:``, defaults)."""
+    # on call (start-up time): model.flops loads torch, and the registry each family's module; a report of
+    # measured runs reads neither
     from model.flops import training_flops_of_sums, training_flops_per_token
     from model.registry import family_of, get_spec
     from training.config import load_config, resolve_config_path
@@ -254,7 +257,7 @@ def load_recipe(names: list[str]) -> Recipe:
 
 def device_peak(name: str) -> float:
     """Peak FLOP/s of one ``name`` device (``training.devices.peak_flops``); a UserError when unknown."""
-    from training.devices import PEAK_FLOPS, normalise_name, peak_flops
+    from training.devices import PEAK_FLOPS, normalise_name, peak_flops  # on call (start-up time): torch
 
     known = [*PEAK_FLOPS, "cpu"]
     if normalise_name(name) not in {normalise_name(k) for k in known}:  # checked first: one line, no warning
@@ -486,12 +489,12 @@ def csv_text(rows: list[dict[str, Any]]) -> str:
 def plot(rows: list[dict[str, Any]], path: str | Path) -> None:
     """PNG: scaling efficiency and sequences/s against accelerators, one line per configuration."""
     try:
-        import matplotlib
+        import matplotlib  # on call: an optional extra (plot), needed only to draw
     except ImportError:
         raise UserError("plotting needs matplotlib: pip install 'wikipretrain[plot]'") from None
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use: pyplot takes its backend when imported
 
     fig, (ax_eff, ax_tp) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=100)
     groups: dict[str, list[dict[str, Any]]] = {}
@@ -556,8 +559,6 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"no measured summary.json under {', '.join(args.runs)}")
     price = None
     if args.profile:
-        from launch.profiles import load_profile
-
         prof = load_profile(args.profile)
         price = prof.price_per_instance_hour
         if price is None:

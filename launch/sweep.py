@@ -28,6 +28,8 @@ from pathlib import Path
 from common.errors import UserError
 from common.log import get_logger
 from common.net import free_port
+from launch import report
+from launch.hosts import parse_hostfile
 
 log = get_logger("launch.sweep")
 
@@ -57,8 +59,6 @@ def plan(args: argparse.Namespace) -> list[tuple[Path, list[str], dict[str, str]
             raise UserError("--nodes needs --hostfile (the cluster's hosts)")
         if not Path(args.hostfile).is_file():
             raise UserError(f"hostfile {args.hostfile} not found")
-        from launch.hosts import parse_hostfile
-
         available = len(parse_hostfile(args.hostfile))
         for n in _int_list(args.nodes, "--nodes"):
             if n > available:
@@ -143,8 +143,6 @@ def run(args: argparse.Namespace) -> int:
             failed.append(run_dir)
     if args.dry_run:
         return 0
-    from launch import report
-
     runs = report.find_runs([Path(args.out)]) if Path(args.out).is_dir() else []
     if runs:
         print(report.markdown(report.build_rows(runs)), end="")

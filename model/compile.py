@@ -55,7 +55,7 @@ def compile_errors() -> tuple[type[BaseException], ...]:
 
     errors: list[type[BaseException]] = [dynamo_exc.TorchDynamoException]
     try:
-        from torch._inductor.exc import InductorError
+        from torch._inductor.exc import InductorError  # on call (start-up time, as above); older torch lacks it
 
         errors.append(InductorError)
     except ImportError:  # older torch: inductor errors arrive as BackendCompilerFailed

@@ -13,7 +13,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from training.checkpoint.export import (
         export_checkpoint,  # deferred: torch and DeepSpeed take seconds; --help does not
     )
-    from training.checkpoint.safeload import restrict
+    from training.checkpoint.safeload import restrict  # deferred, as above
 
     restrict()  # a checkpoint from elsewhere runs no code here either
 

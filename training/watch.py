@@ -67,7 +67,7 @@ class StopRequest:
         if chain:
             threading.Thread(target=self._watch, args=(chain,), name="launcher-watch", daemon=True).start()
 
-    def _handler(self, signum, frame) -> None:  # noqa: ARG002
+    def _handler(self, signum, frame) -> None:  # a signal handler's signature
         self.at = self.at or time.monotonic()
         self.requested = True
         self.reason = self.reason or "SIGTERM"

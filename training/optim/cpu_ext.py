@@ -60,7 +60,7 @@ def cpu_kernels(required: bool = False) -> Any:
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
-        except Exception as e:  # noqa: BLE001 -- no compiler / ninja / headers: use the other paths
+        except Exception as e:  # no compiler / ninja / headers: use the other paths
             warnings.warn(
                 f"building the LANS/LAMB CPU kernels failed ({type(e).__name__}: {str(e)[:300]}); "
                 "using the torch.compile or foreach implementation",

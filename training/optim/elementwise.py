@@ -173,7 +173,7 @@ def fused_available(device: torch.device) -> bool:
         try:
             warm_fused(device, torch.float32)
             _FUSED_OK[key] = True
-        except Exception as e:  # noqa: BLE001 -- any compiler failure means "use the eager path"
+        except Exception as e:  # any compiler failure means "use the eager path"
             warnings.warn(
                 f"torch.compile of the LANS/LAMB kernels failed on {key} ({type(e).__name__}: {e}); "
                 "using the eager foreach implementation",
