@@ -178,7 +178,8 @@ def test_the_cuda_branch_calls_flash_as_its_schema_says(monkeypatch) -> None:
     """On fake CUDA tensors (BF16, 40 tokens in 5 sequences, 4 heads of 64): the forward passes q, k, v,
     cu_seqlens twice, the host maximum twice, dropout_p, not causal, no debug mask and the scale; the backward
     passes the incoming gradient, q, k, v, the forward's output, logsumexp, cu_seqlens, the maxima, dropout_p and
-    the forward's rng_state and unused (out as int64, back as the kernel's uint64), and returns gradients shaped as q, k and v."""
+    the forward's rng_state and unused (out as int64, back as the kernel's uint64), and returns gradients shaped
+    as q, k and v."""
     calls: list[tuple[str, tuple, dict]] = []
 
     def recorded(name: str):
