@@ -24,14 +24,8 @@ from common.log import get_logger
 from data import h5format
 from data.instances import BertSettings, SpecialIds, build_pairs, materialize, truncate_pairs
 from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
-from data.tokenize_text import (
-    CachedBertTokenizer,
-    InputShard,
-    check_bert_vocab,
-    list_text_files,
-    plan_shards,
-    tokenize_sentences,
-)
+from data.tokenize_text import InputShard, list_text_files, plan_shards, tokenize_sentences
+from data.tokenizer import CachedBertTokenizer, check_bert_vocab
 
 log = get_logger("data.bert")
 WRITE_BATCH = 4096

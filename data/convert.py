@@ -26,9 +26,9 @@ import numpy as np
 from common.atomic import atomic_path
 from common.errors import UserError
 from data import h5format
-from data.gpt import load_tokenizer, token_dtype
+from data.gpt import token_dtype
 from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
-from data.tokenize_text import check_bert_vocab
+from data.tokenizer import check_bert_vocab, load_tokenizer
 from data.verify import manifest_kind
 
 COPY_ROWS = 1 << 16

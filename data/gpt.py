@@ -22,7 +22,6 @@ from typing import Any
 
 import h5py
 import numpy as np
-from tokenizers import Tokenizer
 
 from common.atomic import atomic_path
 from common.errors import UserError
@@ -30,9 +29,9 @@ from common.log import get_logger
 from data import h5format
 from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
 from data.tokenize_text import AUTO_SHARD_BYTES, InputShard, list_text_files, plan_shards, read_lines
+from data.tokenizer import load_tokenizer
 
 log = get_logger("data.gpt")
-EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>")
 DOC_BATCH = 512
 DATASET_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
@@ -49,22 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, default=0, help="number of output shards (0: one per 32 MiB of text)")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true")
-
-
-def load_tokenizer(path: str | os.PathLike):
-    """Load tokenizer.json and find its end-of-document id (error naming the file when there is none)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{p}: tokenizer file does not exist")
-    try:
-        tok = Tokenizer.from_file(str(p))
-    except Exception as e:  # the Rust side raises a plain Exception on bad JSON
-        raise UserError(f"{p}: not a `tokenizers` tokenizer.json ({str(e).splitlines()[0]})") from None
-    for name in EOD_TOKENS:
-        eod = tok.token_to_id(name)
-        if eod is not None:
-            return tok, int(eod), name
-    raise UserError(f"{p}: tokenizer has no end-of-document token (looked for {', '.join(EOD_TOKENS)})")
 
 
 def token_dtype(vocab_size: int) -> str:

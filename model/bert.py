@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.errors import UserError
-from data.tokenize_text import bert_tokenizer, check_bert_vocab
+from data.tokenizer import bert_tokenizer, check_bert_vocab
 from model import unpad as unpadding
 from model.family import CompileTarget, Evaluation, Family, ParamRole, check_sizes, hf_inside, pad_vocab
 from model.losses import IGNORE_INDEX, ChunkedLossHead
@@ -246,7 +246,7 @@ class BertPretraining(nn.Module):
 def save_hf_tokenizer(vocab: Path, out: Path, spec: BertSpec, lowercase: bool) -> dict[str, int]:
     """Write the tokenizer the shards were made with as Hugging Face files; return its special-token ids.
 
-    ``tokenizer.json`` holds the very ``tokenizers`` pipeline of ``data.tokenize_text.bert_tokenizer``
+    ``tokenizer.json`` holds the very ``tokenizers`` pipeline of ``data.tokenizer.bert_tokenizer``
     (BERT normalizer with the shards' casing, WordPiece over ``vocab``), so ``AutoTokenizer`` gives the
     training ids; ``vocab.txt`` is copied beside it for readers that want the plain vocabulary.
     """
