@@ -28,7 +28,7 @@ from data.instances import BertSettings, SpecialIds, build_pairs, materialize, t
 from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
 from data.text import write_text_files
 from data.tokenize_text import InputShard, list_text_files, plan_shards, tokenize_sentences
-from data.tokenizer import CachedBertTokenizer, check_bert_vocab
+from data.tokenizer import CachedBertTokenizer, check_bert_vocab, vocab_sha256
 
 log = get_logger("data.bert")
 WRITE_BATCH = 4096
@@ -37,7 +37,12 @@ _TOKENIZERS: dict[tuple, CachedBertTokenizer] = {}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_source_arguments(p)
-    p.add_argument("--vocab", required=True, help="WordPiece vocab.txt (must contain [CLS] [SEP] [MASK] [PAD])")
+    p.add_argument(
+        "--vocab",
+        required=True,
+        help="WordPiece vocab.txt, or a Hugging Face tokenizer.json with BERT's WordPiece pipeline (as "
+        "bert-base-uncased ships); must contain [CLS] [SEP] [MASK] [PAD]",
+    )
     p.add_argument("--out", required=True, help="output dir for bert-NNNNN.h5 shards and manifest.json")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--max-pred", type=int, default=20, help="max masked positions per instance")
@@ -72,7 +77,7 @@ def _shard_task(
     is_subword = np.array([w.startswith("##") for w in words], dtype=bool)
     # one tokenizer (and its chunk cache) per worker process, reused across shards: speed only, the
     # ids are the same either way, so the output still depends only on (seed, shard)
-    key = (vocab, lowercase, h5format.sha256_file(vocab))
+    key = (vocab, lowercase, vocab_sha256(vocab))
     tok = _TOKENIZERS.get(key)
     if tok is None:
         _TOKENIZERS.clear()
@@ -179,7 +184,7 @@ def build_bert_shards(
         plan_shards(list_text_files(text), shards)  # a missing path, no text: before anything is written
     else:
         source.check()
-    words = check_bert_vocab(vocab)
+    words = check_bert_vocab(vocab, lowercase)
     if shards < 0:
         raise UserError(f"--shards {shards}: must be >= 0 (0 = automatic)")
     with ShardDir(out, "bert", overwrite) as dest:
@@ -210,7 +215,7 @@ def _settings(
         "seed": seed,
         "whole_word_masking": s.whole_word_masking,
         "lowercase": bool(lowercase),
-        "vocab_sha256": h5format.sha256_file(vocab),
+        "vocab_sha256": vocab_sha256(vocab),
         "vocab_size": len(words),
         "vocab_file": Path(vocab).name,
         "num_shards": n,

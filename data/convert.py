@@ -28,7 +28,7 @@ from common.errors import UserError
 from data import h5format
 from data.gpt import token_dtype
 from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
-from data.tokenizer import check_bert_vocab, load_tokenizer
+from data.tokenizer import check_bert_vocab, load_tokenizer, vocab_sha256
 from data.verify import manifest_kind
 
 COPY_ROWS = 1 << 16
@@ -77,9 +77,9 @@ def _vocab_settings(
                     "were made with)"
                 )
             return {k: have[k] for k in ("vocab_sha256", "vocab_size", "vocab_file", "lowercase") if k in have}
-        words = check_bert_vocab(vocab)
+        words = check_bert_vocab(vocab, lowercase)
         got: dict[str, Any] = {
-            "vocab_sha256": h5format.sha256_file(vocab),
+            "vocab_sha256": vocab_sha256(vocab),
             "vocab_size": len(words),
             "vocab_file": Path(vocab).name,
             "lowercase": True if lowercase is None else bool(lowercase),

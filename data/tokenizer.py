@@ -7,7 +7,9 @@ exports (``model.bert``, ``model.neox``) all load them from here.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import numpy as np
 from tokenizers import BertWordPieceTokenizer, Tokenizer
 
 from common.errors import UserError
-from data.vocab import load_vocab_checked
+from data.vocab import BERT_SPECIALS, load_vocab_checked
 
 EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>")
 
@@ -36,21 +38,91 @@ def load_tokenizer(path: str | os.PathLike):
     raise UserError(f"{p}: tokenizer has no end-of-document token (looked for {', '.join(EOD_TOKENS)})")
 
 
-def check_bert_vocab(vocab: str | os.PathLike) -> list[str]:
-    """A WordPiece ``vocab.txt`` as its token list; errors (naming the file) when it lacks a BERT special
-    token."""
-    index = load_vocab_checked(Path(vocab))
+def _wordpiece_json(path: Path, lowercase: bool | None) -> list[str]:
+    """A Hugging Face ``tokenizer.json`` with BERT's WordPiece pipeline as its token list; anything that would
+    tokenize otherwise than ``bert_tokenizer`` over the same tokens is refused in one line."""
+    try:
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        model, norm, pre = spec["model"], spec.get("normalizer") or {}, spec.get("pre_tokenizer") or {}
+        vocab = model.get("vocab")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{path}: not a `tokenizers` tokenizer.json ({type(e).__name__}: {e})") from None
+    if model.get("type") != "WordPiece" or not isinstance(vocab, dict):
+        raise UserError(f"{path}: a {model.get('type')} tokenizer.json; BERT needs a WordPiece model (or a vocab.txt)")
+    settings = {
+        "unk_token": model.get("unk_token"),
+        "continuing_subword_prefix": model.get("continuing_subword_prefix"),
+        "max_input_chars_per_word": model.get("max_input_chars_per_word"),
+    }
+    if settings != {"unk_token": "[UNK]", "continuing_subword_prefix": "##", "max_input_chars_per_word": 100}:
+        raise UserError(f"{path}: WordPiece model settings {settings} are not BERT's ([UNK], ##, 100)")
+    if norm.get("type") != "BertNormalizer" or not (norm.get("clean_text") and norm.get("handle_chinese_chars")):
+        raise UserError(f"{path}: normalizer {norm.get('type')} is not BERT's (BertNormalizer with clean_text)")
+    lower = bool(norm.get("lowercase"))
+    accents = norm.get("strip_accents")
+    if accents is not None and bool(accents) != lower:
+        raise UserError(f"{path}: strip_accents={accents} with lowercase={lower} is neither BERT uncased nor cased")
+    if pre.get("type") != "BertPreTokenizer":
+        raise UserError(f"{path}: pre-tokenizer {pre.get('type')} is not BERT's (BertPreTokenizer)")
+    if lowercase is not None and lower != lowercase:
+        want, flag = ("uncased", "--lowercase") if lowercase else ("cased", "--cased")
+        raise UserError(f"{path}: normalizer lowercase={lower} but {flag} asks for a {want} vocabulary")
+    words = sorted(vocab, key=vocab.__getitem__)
+    if sorted(vocab.values()) != list(range(len(words))):
+        raise UserError(f"{path}: WordPiece ids are not 0..{len(words) - 1} without gaps")
+    missing = [t for t in BERT_SPECIALS if t not in vocab]
+    if missing:
+        raise UserError(f"{path}: not a BERT vocab: missing special token(s) {' '.join(missing)}")
+    return words
+
+
+def check_bert_vocab(vocab: str | os.PathLike, lowercase: bool | None = None) -> list[str]:
+    """A BERT vocabulary as its ordered token list: a WordPiece ``vocab.txt``, or a Hugging Face ``tokenizer.json``
+    with BERT's WordPiece pipeline (as ``bert-base-uncased`` ships) whose lowercasing agrees with ``lowercase``
+    (None: not checked). Errors name the file: a missing BERT special token, another pipeline."""
+    path = Path(vocab)
+    if path.suffix == ".json" and path.is_file():
+        return _wordpiece_json(path, lowercase)
+    index = load_vocab_checked(path)
     words = [""] * len(index)
     for w, i in index.items():
         words[i] = w
     return words
 
 
+def vocab_sha256(path: str | os.PathLike) -> str:
+    """What shards record as their vocabulary's identity (``vocab_sha256``, ``tokenizer_sha256``).
+
+    A BERT WordPiece ``tokenizer.json`` is identified by its ordered token list: the SHA-256 of the tokens one per
+    line, which is the SHA-256 of the ``vocab.txt`` holding the same vocabulary, so shards made from either train
+    with either. Any other file (a ``vocab.txt``, a BPE ``tokenizer.json``) by its bytes, as shards always did.
+    """
+    p = Path(path)
+    if p.suffix == ".json":
+        try:
+            model = json.loads(p.read_text(encoding="utf-8")).get("model", {})
+        except (OSError, ValueError, AttributeError):
+            model = {}
+        if isinstance(model, dict) and model.get("type") == "WordPiece":
+            words = check_bert_vocab(p)
+            return hashlib.sha256("".join(w + "\n" for w in words).encode("utf-8")).hexdigest()
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def bert_tokenizer(vocab: str | os.PathLike, lowercase: bool):
     """The Rust WordPiece tokenizer with BERT's basic tokenization (same splits as Google's
-    tokenization.py)."""
+    tokenization.py), over a ``vocab.txt`` or a WordPiece ``tokenizer.json``'s tokens."""
+    words = check_bert_vocab(vocab, lowercase)
     return BertWordPieceTokenizer(
-        str(vocab), lowercase=lowercase, strip_accents=lowercase, clean_text=True, handle_chinese_chars=True
+        {w: i for i, w in enumerate(words)},
+        lowercase=lowercase,
+        strip_accents=lowercase,
+        clean_text=True,
+        handle_chinese_chars=True,
     )._tokenizer
 
 

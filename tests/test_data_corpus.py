@@ -18,7 +18,7 @@ from data.__main__ import main
 from data.bert import build_bert_shards
 from data.documents import Document, document_sentences, is_heading
 from data.text import build_text
-from tests.conftest import data_cli, expect_error, run_env, run_python
+from tests.conftest import data_cli, expect_error, run_env, run_python, smoke
 
 ARTICLES = 10  # of the sample's 97: a few hundred KB of text, enough for four shards of instances
 HEADING = "Early life"
@@ -221,3 +221,46 @@ def test_missing_pyarrow_names_the_extra(corpus: dict[str, Path], tmp_path: Path
     p = run_python(["-m", "data", "text", "--dataset", str(corpus["parquet"]), "--out", str(out)], env=env, fresh=True)
     expect_error(p, "pip install 'wikipretrain[datasets]'")
     assert not out.exists()
+
+
+def test_wordpiece_tokenizer_json(
+    corpus: dict[str, Path], wiki_vocab: Path, bpe: Path, bert_data: dict[str, Path], tmp_path: Path
+) -> None:
+    """A Hugging Face ``tokenizer.json`` with BERT's WordPiece pipeline is the same vocabulary as its ``vocab.txt``:
+    the same shards (every array; the attributes but the file's name), the same recorded identity, and shards made
+    from ``vocab.txt`` train with ``data.vocab`` set to the ``tokenizer.json``. Other pipelines: one line each."""
+    from tokenizers import BertWordPieceTokenizer
+
+    from data.tokenizer import vocab_sha256
+
+    as_json = tmp_path / "vocab.json"
+    BertWordPieceTokenizer(str(wiki_vocab)).save(str(as_json))
+    assert vocab_sha256(as_json) == vocab_sha256(wiki_vocab)
+    a, b = tmp_path / "from-txt", tmp_path / "from-json"
+    build_bert_shards(corpus["text"], wiki_vocab, a, **BERT_KW)
+    build_bert_shards(corpus["text"], as_json, b, **BERT_KW)
+    for d in (a, b):  # the vocabulary's file name is the one attribute that may differ
+        for f in d.glob("*.h5"):
+            with h5py.File(f, "r+") as h:
+                del h.attrs["vocab_file"]
+    assert_same_shards(a, b)
+    spec = json.loads(as_json.read_text())
+    cases = {
+        "bpe": (bpe, (), "BERT needs a WordPiece model"),
+        "cased": (as_json, ("--cased",), "lowercase=True but --cased"),
+        "pre": (dict(spec, pre_tokenizer={"type": "Whitespace"}), (), "pre-tokenizer Whitespace is not BERT's"),
+        "norm": (dict(spec, normalizer={"type": "NFC"}), (), "normalizer NFC is not BERT's"),
+    }
+    for name, (tok, flags, needle) in cases.items():
+        if isinstance(tok, dict):
+            (tmp_path / f"{name}.json").write_text(json.dumps(tok))
+            tok = tmp_path / f"{name}.json"
+        out = tmp_path / f"bad-{name}"
+        argv = ["bert", "--text", str(corpus["text"]), "--vocab", str(tok), "--out", str(out), *flags]
+        expect_error(data_cli(*argv, check=False), Path(tok).name, needle)
+        assert not out.exists()
+    run = tmp_path / "run"
+    steps = ("train.steps=1", "train.global_batch=4", "train.micro_batch=4", "data.eval=null", "checkpoint.every=0")
+    res = run_python(["train.py", *smoke({**bert_data, "vocab": as_json}, run, *steps, "deepspeed.precision=fp32")])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((run / "summary.json").read_text())["steps"] == 1

@@ -17,9 +17,9 @@ import torch
 
 from common.errors import UserError
 from common.log import get_logger
-from data.h5format import sha256_file
 from data.loader import EvalSet, PretrainingLoader
 from data.reads import ReadRetry
+from data.tokenizer import vocab_sha256
 from model.build import build_model
 from model.compile import compiled_modules
 from model.compile import wanted as compile_wanted
@@ -138,7 +138,7 @@ def open_data(
     if data.vocab:
         if not Path(data.vocab).exists():
             raise UserError(f"data.vocab={data.vocab}: file does not exist")
-        vocab_sha = sha256_file(data.vocab)  # the hash the shard writers store
+        vocab_sha = vocab_sha256(data.vocab)  # the identity the shard writers store
         expect[family.hash_key] = vocab_sha
     unpad = family.unpadded(model.unpad)
     read_retry = ReadRetry(data.read_retries, read_retry_s)  # training and evaluation reads alike
