@@ -24,6 +24,7 @@ from common.errors import UserError
 from common.log import get_logger
 from data import h5format
 from data.documents import Source, add_source_arguments
+from data.formats import BERT
 from data.instances import BertSettings, SpecialIds, build_pairs, materialize, truncate_pairs
 from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
 from data.text import write_text_files
@@ -106,9 +107,9 @@ def _shard_task(
                 name,
                 (n_inst, fld.row_width(S, P)) if fld.rank == 2 else (n_inst,),
                 fld.dtype,
-                h5format.UNIT_ROWS["bert"],
+                BERT.unit_rows,
             )
-            for name, fld in h5format.BERT_SCHEMA.items()
+            for name, fld in BERT.schema.items()
         }
         for start in range(0, n_inst, WRITE_BATCH):
             idx = np.arange(start, min(n_inst, start + WRITE_BATCH))
@@ -187,7 +188,7 @@ def build_bert_shards(
     words = check_bert_vocab(vocab, lowercase)
     if shards < 0:
         raise UserError(f"--shards {shards}: must be >= 0 (0 = automatic)")
-    with ShardDir(out, "bert", overwrite) as dest:
+    with ShardDir(out, BERT.name, overwrite) as dest:
         text_dir = Path(text) if text is not None else dest.stage / "text"
         if text is None:
             text_dir.mkdir()
@@ -235,7 +236,7 @@ def _build(
     progress: bool | None,
 ) -> list[dict[str, Any]]:
     """Run one job per input shard; returns the shard records."""
-    attrs = {"format": h5format.BERT_FORMAT, "format_version": h5format.FORMAT_VERSION, **settings}
+    attrs = {"format": BERT.format_attr, "format_version": h5format.FORMAT_VERSION, **settings}
     jobs = [
         ShardJob((sh, str(dest.path(sh.index)), str(vocab), bool(lowercase), s, seed, attrs), sh.nbytes) for sh in plan
     ]

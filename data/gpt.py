@@ -28,6 +28,7 @@ from common.errors import UserError
 from common.log import get_logger
 from data import h5format
 from data.documents import Source, add_source_arguments, document_text
+from data.formats import GPT, token_dtype
 from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
 from data.tokenize_text import AUTO_SHARD_BYTES, InputShard, list_text_files, plan_shards, read_lines
 from data.tokenizer import load_tokenizer
@@ -45,10 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, default=0, help="number of output shards (0: one per 32 MiB of text)")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true")
-
-
-def token_dtype(vocab_size: int) -> str:
-    return "u2" if vocab_size < 65536 else "i4"
 
 
 def text_documents(shard: InputShard) -> Iterator[str]:
@@ -132,7 +129,7 @@ def _shard_task(
                 "dropped_tokens": dropped,
             },
         )
-        ds = h5format.create_dataset(f, "input_ids", win.shape, dtype, h5format.UNIT_ROWS["gpt"])
+        ds = h5format.create_dataset(f, "input_ids", win.shape, dtype, GPT.unit_rows)
         for s in range(0, len(win), 1024):
             ds[s : s + 1024] = win[s : s + 1024].astype(dtype)
     return {
@@ -224,8 +221,8 @@ def build_gpt_shards(
         "eod_token": eod_name,
         "source": source_name,
     }
-    attrs = {"format": h5format.GPT_FORMAT, "format_version": h5format.FORMAT_VERSION, **settings}
-    with ShardDir(out, "gpt", overwrite) as dest:
+    attrs = {"format": GPT.format_attr, "format_version": h5format.FORMAT_VERSION, **settings}
+    with ShardDir(out, GPT.name, overwrite) as dest:
         jobs = (
             ShardJob((index, src, desc, str(dest.path(index)), str(tokenizer), seq_len, attrs))
             for index, src, desc in sources

@@ -4,6 +4,7 @@ and ``data gpt``; a dataset gives the same shards as its text layout; bad input 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -264,3 +265,21 @@ def test_wordpiece_tokenizer_json(
     res = run_python(["train.py", *smoke({**bert_data, "vocab": as_json}, run, *steps, "deepspeed.precision=fp32")])
     assert res.returncode == 0, res.stderr[-3000:]
     assert json.loads((run / "summary.json").read_text())["steps"] == 1
+
+
+def test_format_registry_names_the_known_formats() -> None:
+    """Outside its record no code compares a format name: an unknown one is refused by the registry in one line,
+    and the records say what ``h5format``, ``convert`` and ``verify`` ask."""
+    from data import h5format
+    from data.formats import BERT, GPT, format_of_attr, get_format, register_format
+
+    with pytest.raises(Exception, match=r"unknown shard format 'toy' \(known: bert, gpt"):
+        get_format("toy")
+    assert format_of_attr("wikipretrain-gpt") is GPT and format_of_attr("other") is None
+    assert h5format.SCHEMAS["bert"] is BERT.schema and h5format.UNIT_ROWS["gpt"] == 1
+    assert BERT.infer({"input_ids": (5, 128), "masked_lm_positions": (5, 20), "masked_lm_ids": (5, 19)}) == {
+        "seq_len": 128,
+        "max_pred": 20,
+    }
+    with pytest.raises(Exception, match="format attribute 'wikipretrain-bert' is 'bert'"):
+        register_format(dataclasses.replace(BERT, name="bert2"))

@@ -17,6 +17,7 @@ import torch
 
 from common.errors import UserError
 from common.log import get_logger
+from data.formats import get_format
 from data.loader import EvalSet, PretrainingLoader
 from data.reads import ReadRetry
 from data.tokenizer import vocab_sha256
@@ -128,7 +129,7 @@ def open_data(
     """Open the shards the model family reads, checking them against ``data.*`` (sequence length,
     vocabulary). When the run unpads (``Family.unpadded``: BERT with ``model.unpad``) the micro-batches carry
     where their real tokens are, found on the host (``data.loader.unpadding_index``)."""
-    kind = family.shard_kind if data.kind == "auto" else data.kind
+    kind = family.shard_kind if data.kind == "auto" else get_format(data.kind).name  # one line if unknown
     if kind != family.shard_kind:
         raise UserError(f"data.kind={data.kind} does not fit model {model.name} ({family.name})")
     expect: dict[str, Any] = {"seq_len": data.seq_len}
