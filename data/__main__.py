@@ -1,4 +1,4 @@
-"""``python -m data {wiki,vocab,bert,gpt,convert,verify} ...``: the data pipeline's command line."""
+"""``python -m data {wiki,text,vocab,bert,gpt,convert,verify} ...``: the data pipeline's command line."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from common.errors import run_cli
 # Each subcommand lives in its own module, which defines ``add_arguments(parser)`` and ``run(args) -> int``.
 SUBCOMMANDS = {
     "wiki": ("data.wiki", "Wikipedia XML dump(s) -> clean, sentence-split text shards"),
+    "text": ("data.text", "any source (a local dataset, a dump, text) -> the text layout: one sentence per line"),
     "vocab": ("data.vocab", "train a WordPiece vocab.txt or a byte-level BPE tokenizer.json on text shards"),
     "bert": ("data.bert", "text shards -> BERT MLM/NSP instances in NVIDIA's HDF5 schema"),
     "gpt": ("data.gpt", "text shards or a local dataset -> packed GPT-NeoX token windows in HDF5"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -22,16 +23,13 @@ from common.atomic import atomic_path
 from common.errors import UserError
 from common.log import get_logger
 from data import h5format
+from data.documents import Source, add_source_arguments
+from data.formats import BERT
 from data.instances import BertSettings, SpecialIds, build_pairs, materialize, truncate_pairs
 from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
-from data.tokenize_text import (
-    CachedBertTokenizer,
-    InputShard,
-    check_bert_vocab,
-    list_text_files,
-    plan_shards,
-    tokenize_sentences,
-)
+from data.text import write_text_files
+from data.tokenize_text import InputShard, list_text_files, plan_shards, tokenize_sentences
+from data.tokenizer import CachedBertTokenizer, check_bert_vocab, vocab_sha256
 
 log = get_logger("data.bert")
 WRITE_BATCH = 4096
@@ -39,12 +37,13 @@ _TOKENIZERS: dict[tuple, CachedBertTokenizer] = {}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_source_arguments(p)
     p.add_argument(
-        "--text",
+        "--vocab",
         required=True,
-        help="text dir (or one .txt file): one sentence per line, blank line between documents",
+        help="WordPiece vocab.txt, or a Hugging Face tokenizer.json with BERT's WordPiece pipeline (as "
+        "bert-base-uncased ships); must contain [CLS] [SEP] [MASK] [PAD]",
     )
-    p.add_argument("--vocab", required=True, help="WordPiece vocab.txt (must contain [CLS] [SEP] [MASK] [PAD])")
     p.add_argument("--out", required=True, help="output dir for bert-NNNNN.h5 shards and manifest.json")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--max-pred", type=int, default=20, help="max masked positions per instance")
@@ -79,7 +78,7 @@ def _shard_task(
     is_subword = np.array([w.startswith("##") for w in words], dtype=bool)
     # one tokenizer (and its chunk cache) per worker process, reused across shards: speed only, the
     # ids are the same either way, so the output still depends only on (seed, shard)
-    key = (vocab, lowercase, h5format.sha256_file(vocab))
+    key = (vocab, lowercase, vocab_sha256(vocab))
     tok = _TOKENIZERS.get(key)
     if tok is None:
         _TOKENIZERS.clear()
@@ -108,9 +107,9 @@ def _shard_task(
                 name,
                 (n_inst, fld.row_width(S, P)) if fld.rank == 2 else (n_inst,),
                 fld.dtype,
-                h5format.UNIT_ROWS["bert"],
+                BERT.unit_rows,
             )
-            for name, fld in h5format.BERT_SCHEMA.items()
+            for name, fld in BERT.schema.items()
         }
         for start in range(0, n_inst, WRITE_BATCH):
             idx = np.arange(start, min(n_inst, start + WRITE_BATCH))
@@ -146,10 +145,13 @@ def _shard_task(
 
 
 def build_bert_shards(
-    text: str | os.PathLike,
+    text: str | os.PathLike | None,
     vocab: str | os.PathLike,
     out: str | os.PathLike,
     *,
+    dataset: str | None = None,
+    text_field: str = "text",
+    split: str = "train",
     seq_len: int = 128,
     max_pred: int = 20,
     dupe_factor: int = 5,
@@ -163,8 +165,12 @@ def build_bert_shards(
     overwrite: bool = False,
     progress: bool | None = False,
 ) -> dict[str, Any]:
-    """Text shards -> ``bert-NNNNN.h5`` shards and ``manifest.json`` under ``out``; returns the totals.
+    """Documents -> ``bert-NNNNN.h5`` shards and ``manifest.json`` under ``out``; returns the totals.
 
+    One source: ``text`` (NVIDIA's layout) or ``dataset`` (``data.documents``: local files, a saved
+    dataset, a dump; documents in ``text_field``, ``split`` of a saved ``DatasetDict``). A dataset is first
+    written in the text layout (``data.text``, sentence splitting in ``workers`` processes) into the
+    staging folder and read back from there, so the output equals ``data text`` then ``data bert --text``.
     ``shards=0``: one output shard per 32 MiB of text. The output depends on ``seed`` and the data,
     never on ``workers``. ``progress=None`` shows a bar only on a terminal. Raises ``UserError``
     (nothing left behind) on bad settings, a bad vocabulary, an empty corpus or a non-empty ``out``
@@ -174,11 +180,34 @@ def build_bert_shards(
     s = BertSettings(seq_len, max_pred, masked_lm_prob, dupe_factor, short_seq_prob, whole_word_masking)
     if workers < 1:
         raise UserError(f"--workers {workers}: must be >= 1")
-    files = list_text_files(text)
-    words = check_bert_vocab(vocab)
-    out = Path(out)
-    plan = plan_shards(files, shards)
-    settings = {
+    source = Source(None if text is None else str(text), dataset, text_field, split)
+    if text is not None:
+        plan_shards(list_text_files(text), shards)  # a missing path, no text: before anything is written
+    else:
+        source.check()
+    words = check_bert_vocab(vocab, lowercase)
+    if shards < 0:
+        raise UserError(f"--shards {shards}: must be >= 0 (0 = automatic)")
+    with ShardDir(out, BERT.name, overwrite) as dest:
+        text_dir = Path(text) if text is not None else dest.stage / "text"
+        if text is None:
+            text_dir.mkdir()
+            write_text_files(source, text_dir, workers=workers)
+        plan = plan_shards(list_text_files(text_dir), shards)
+        settings = _settings(s, seed, lowercase, vocab, words, len(plan), dataset or "")
+        results = _build(dest, plan, vocab, lowercase, s, seed, settings, workers, progress)
+        if text is None:
+            shutil.rmtree(text_dir)
+        if sum(r["instances"] for r in results) == 0:
+            raise UserError(f"{source.name}: empty corpus (no tokens after tokenization)")
+        return dest.commit(results, settings, t0, rates=("instances", "tokens"))
+
+
+def _settings(
+    s: BertSettings, seed: int, lowercase: bool, vocab: str | os.PathLike, words: list[str], n: int, source: str
+) -> dict[str, Any]:
+    """The manifest's settings (and every shard's attributes); ``source``: the dataset, "" for text."""
+    return {
         "seq_len": s.seq_len,
         "max_pred": s.max_pred,
         "masked_lm_prob": s.masked_lm_prob,
@@ -187,29 +216,39 @@ def build_bert_shards(
         "seed": seed,
         "whole_word_masking": s.whole_word_masking,
         "lowercase": bool(lowercase),
-        "vocab_sha256": h5format.sha256_file(vocab),
+        "vocab_sha256": vocab_sha256(vocab),
         "vocab_size": len(words),
         "vocab_file": Path(vocab).name,
-        "num_shards": len(plan),
+        "num_shards": n,
+        **({"dataset": source} if source else {}),
     }
-    attrs = {"format": h5format.BERT_FORMAT, "format_version": h5format.FORMAT_VERSION, **settings}
-    with ShardDir(out, "bert", overwrite) as dest:
-        jobs = [
-            ShardJob((sh, str(dest.path(sh.index)), str(vocab), bool(lowercase), s, seed, attrs), sh.nbytes)
-            for sh in plan
-        ]
-        results = run_shard_jobs(
-            _shard_task,
-            jobs,
-            workers=min(workers, len(plan)),
-            desc="bert instances",
-            unit="B",
-            total=sum(sh.nbytes for sh in plan),
-            progress=progress,
-        )
-        if sum(r["instances"] for r in results) == 0:
-            raise UserError(f"{text}: empty corpus (no tokens after tokenization)")
-        return dest.commit(results, settings, t0, rates=("instances", "tokens"))
+
+
+def _build(
+    dest: ShardDir,
+    plan: list[InputShard],
+    vocab: str | os.PathLike,
+    lowercase: bool,
+    s: BertSettings,
+    seed: int,
+    settings: dict[str, Any],
+    workers: int,
+    progress: bool | None,
+) -> list[dict[str, Any]]:
+    """Run one job per input shard; returns the shard records."""
+    attrs = {"format": BERT.format_attr, "format_version": h5format.FORMAT_VERSION, **settings}
+    jobs = [
+        ShardJob((sh, str(dest.path(sh.index)), str(vocab), bool(lowercase), s, seed, attrs), sh.nbytes) for sh in plan
+    ]
+    return run_shard_jobs(
+        _shard_task,
+        jobs,
+        workers=min(workers, len(plan)),
+        desc="bert instances",
+        unit="B",
+        total=sum(sh.nbytes for sh in plan),
+        progress=progress,
+    )
 
 
 REPORT = (

@@ -26,9 +26,8 @@ import numpy as np
 from common.atomic import atomic_path
 from common.errors import UserError
 from data import h5format
-from data.gpt import load_tokenizer, token_dtype
+from data.formats import formats, get_format
 from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
-from data.tokenize_text import check_bert_vocab
 from data.verify import manifest_kind
 
 COPY_ROWS = 1 << 16
@@ -37,7 +36,7 @@ COPY_ROWS = 1 << 16
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--src", required=True, help="shard directory (with or without manifest), file or glob")
     p.add_argument("--out", required=True, help="output dir for format-2 shards and manifest.json")
-    p.add_argument("--kind", choices=("auto", "bert", "gpt"), default="auto")
+    p.add_argument("--kind", default="auto", help="a shard format's name (bert, gpt); auto: from the shards")
     p.add_argument("--vocab", help="BERT: the vocab.txt the shards were made with (required when they do not say)")
     p.add_argument("--tokenizer", help="GPT: the tokenizer.json the shards were made with (when they do not say)")
     case = p.add_mutually_exclusive_group()
@@ -55,9 +54,12 @@ def _detect_kind(src: str) -> str:
     first = h5format.glob_files(src)[0]
     try:
         with h5py.File(first, "r") as f:
-            return "bert" if "masked_lm_positions" in f else "gpt"
+            found = [fmt.name for fmt in formats() if fmt.recognise(f)]
     except OSError as e:
         raise UserError(f"{first}: not a readable HDF5 file ({e})") from None
+    if not found:
+        raise UserError(f"{first}: not a shard of any known format; give --kind")
+    return found[0]
 
 
 def _vocab_settings(
@@ -69,43 +71,20 @@ def _vocab_settings(
     lowercase: bool | None,
 ) -> dict[str, Any]:
     """The vocabulary attributes of the output: the input's, or the flags' (which must then agree)."""
-    if kind == "bert":
-        if vocab is None:
-            if not have.get("vocab_sha256"):
-                raise UserError(
-                    f"{src}: these shards do not record their vocabulary: give --vocab (the vocab.txt they "
-                    "were made with)"
-                )
-            return {k: have[k] for k in ("vocab_sha256", "vocab_size", "vocab_file", "lowercase") if k in have}
-        words = check_bert_vocab(vocab)
-        got: dict[str, Any] = {
-            "vocab_sha256": h5format.sha256_file(vocab),
-            "vocab_size": len(words),
-            "vocab_file": Path(vocab).name,
-            "lowercase": True if lowercase is None else bool(lowercase),
-        }
-    else:
-        if tokenizer is None:
-            if not have.get("tokenizer_sha256"):
-                raise UserError(
-                    f"{src}: these shards do not record their tokenizer: give --tokenizer (the "
-                    "tokenizer.json they were made with)"
-                )
-            keys = ("tokenizer_sha256", "tokenizer_file", "vocab_size", "eod_id", "eod_token")
-            return {k: have[k] for k in keys if k in have}
-        tok, eod, eod_name = load_tokenizer(tokenizer)
-        got = {
-            "tokenizer_sha256": h5format.sha256_file(tokenizer),
-            "tokenizer_file": Path(tokenizer).name,
-            "vocab_size": tok.get_vocab_size(with_added_tokens=True),
-            "eod_id": eod,
-            "eod_token": eod_name,
-        }
-    hash_key = "vocab_sha256" if kind == "bert" else "tokenizer_sha256"
-    if have.get(hash_key) and have[hash_key] != got[hash_key]:
+    fmt = get_format(kind)
+    given = vocab if fmt.tokenizer_flag == "--vocab" else tokenizer
+    if given is None:
+        if not have.get(fmt.hash_key):
+            raise UserError(
+                f"{src}: these shards do not record their vocabulary: give {fmt.tokenizer_flag} (the "
+                f"{fmt.tokenizer_kind} they were made with)"
+            )
+        return {k: have[k] for k in fmt.tokenizer_keys if k in have}
+    got = fmt.tokenizer_attrs(given, lowercase)
+    if have.get(fmt.hash_key) and have[fmt.hash_key] != got[fmt.hash_key]:
         raise UserError(
-            f"{src}: the shards record {hash_key}={have[hash_key][:16]}... but the given vocabulary "
-            f"hashes to {got[hash_key][:16]}..."
+            f"{src}: the shards record {fmt.hash_key}={have[fmt.hash_key][:16]}... but the given vocabulary "
+            f"hashes to {got[fmt.hash_key][:16]}..."
         )
     return got
 
@@ -115,27 +94,24 @@ def _convert_task(index: int, src: str, out_file: str, kind: str, attrs: dict[st
     t0 = time.perf_counter()
     info = h5format.inspect_shard(Path(src), kind)
     vocab_size = int(attrs["vocab_size"])
-    schema = h5format.SCHEMAS[kind]
-    dtypes = {name: fld.dtype for name, fld in schema.items()}
-    if kind == "gpt":
-        dtypes["input_ids"] = token_dtype(vocab_size)
-    token_sets = ("input_ids", "masked_lm_ids")
+    fmt = get_format(kind)
+    schema = fmt.schema
+    dtypes = fmt.write_dtypes(vocab_size)
+    token_sets = fmt.token_datasets
     n = info.num_samples
     with h5py.File(src, "r") as fin, atomic_path(out_file) as tmp, h5py.File(tmp, "w") as fout:
         h5format.write_attrs(
             fout,
             {
                 **attrs,
-                "seq_len": info.attrs["seq_len"],
-                **({"max_pred": info.attrs["max_pred"]} if kind == "bert" else {}),
+                **{k: info.attrs[k] for k in ("seq_len", "max_pred") if k in info.attrs},
                 "shard_index": index,
                 "source": str(src),
                 "num_samples": n,
             },
         )
         out = {
-            name: h5format.create_dataset(fout, name, fin[name].shape, dtypes[name], h5format.UNIT_ROWS[kind])
-            for name in schema
+            name: h5format.create_dataset(fout, name, fin[name].shape, dtypes[name], fmt.unit_rows) for name in schema
         }
         for a in range(0, n, COPY_ROWS):
             for name in schema:
@@ -151,11 +127,10 @@ def _convert_task(index: int, src: str, out_file: str, kind: str, attrs: dict[st
                         f"{src}: dataset {name!r} holds {int(rows.max())}, which does not fit {dtypes[name]}"
                     )
                 out[name][a : a + len(rows)] = rows.astype(dtypes[name])
-    count_key = "instances" if kind == "bert" else "samples"
     return {
         "index": index,
         "file": Path(out_file).name,
-        count_key: n,
+        fmt.count_key: n,
         **h5format.shard_record(out_file),
         "source": str(src),
         "seconds": round(time.perf_counter() - t0, 3),
@@ -190,10 +165,11 @@ def convert_shards(
         have = shards.attrs
     if Path(out).resolve() == (p if p.is_dir() else p.parent).resolve():
         raise UserError(f"--out {out}: the same directory as --src; write the converted shards elsewhere")
-    seq = {"seq_len": have["seq_len"], **({"max_pred": have["max_pred"]} if kind == "bert" else {})}
+    fmt = get_format(kind)
+    seq = {"seq_len": have["seq_len"], **({"max_pred": have["max_pred"]} if fmt.uses_max_pred else {})}
     settings = {**seq, **_vocab_settings(src, kind, have, vocab, tokenizer, lowercase), "converted_from": src}
     attrs = {
-        "format": h5format.BERT_FORMAT if kind == "bert" else h5format.GPT_FORMAT,
+        "format": fmt.format_attr,
         "format_version": h5format.FORMAT_VERSION,
         **settings,
     }
@@ -211,7 +187,7 @@ def convert_shards(
             total=sum(j.weight for j in jobs),
             progress=progress,
         )
-        count_key = "instances" if kind == "bert" else "samples"
+        count_key = fmt.count_key
         summary = dest.commit(results, settings, t0, rates=(count_key,))
     summary.update(kind=kind, src=src, samples=summary[count_key], samples_per_s=summary[f"{count_key}_per_s"])
     return summary

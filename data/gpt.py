@@ -7,13 +7,13 @@ is dropped and counted. Each output shard packs its own input shard (bounded mem
 workers), so at most ``seq_len`` tokens per shard are dropped.
 
 Documents come from NVIDIA-layout text (``--text``: a document's sentences joined with single spaces)
-or from local json/jsonl/parquet/text files read by ``datasets`` in streaming mode (``--dataset``).
+or from any source of ``data.documents`` (``--dataset``: local parquet/JSON/csv/Arrow/text files or a saved
+dataset, each record's text as it is; a dump's articles cleaned and their sentences joined).
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import time
 from collections.abc import Iterator
@@ -22,26 +22,23 @@ from typing import Any
 
 import h5py
 import numpy as np
-from tokenizers import Tokenizer
 
 from common.atomic import atomic_path
 from common.errors import UserError
 from common.log import get_logger
 from data import h5format
+from data.documents import Source, add_source_arguments, document_text
+from data.formats import GPT, token_dtype
 from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
 from data.tokenize_text import AUTO_SHARD_BYTES, InputShard, list_text_files, plan_shards, read_lines
+from data.tokenizer import load_tokenizer
 
 log = get_logger("data.gpt")
-EOD_TOKENS = ("<|endoftext|>", "</s>", "<eos>")
 DOC_BATCH = 512
-DATASET_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--text", help="text dir (or .txt file) in NVIDIA's layout")
-    src.add_argument("--dataset", help="local json/jsonl/parquet/txt file, directory or glob (read with `datasets`)")
-    p.add_argument("--text-field", default="text", help="record field holding the document (--dataset)")
+    add_source_arguments(p)
     p.add_argument("--tokenizer", required=True, help="tokenizers tokenizer.json with an <|endoftext|> token")
     p.add_argument("--out", required=True, help="output dir for gpt-NNNNN.h5 shards and manifest.json")
     p.add_argument("--seq-len", type=int, default=2048, help="tokens per sample is seq_len + 1")
@@ -49,26 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shards", type=int, default=0, help="number of output shards (0: one per 32 MiB of text)")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true")
-
-
-def load_tokenizer(path: str | os.PathLike):
-    """Load tokenizer.json and find its end-of-document id (error naming the file when there is none)."""
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{p}: tokenizer file does not exist")
-    try:
-        tok = Tokenizer.from_file(str(p))
-    except Exception as e:  # the Rust side raises a plain Exception on bad JSON
-        raise UserError(f"{p}: not a `tokenizers` tokenizer.json ({str(e).splitlines()[0]})") from None
-    for name in EOD_TOKENS:
-        eod = tok.token_to_id(name)
-        if eod is not None:
-            return tok, int(eod), name
-    raise UserError(f"{p}: tokenizer has no end-of-document token (looked for {', '.join(EOD_TOKENS)})")
-
-
-def token_dtype(vocab_size: int) -> str:
-    return "u2" if vocab_size < 65536 else "i4"
 
 
 def text_documents(shard: InputShard) -> Iterator[str]:
@@ -152,7 +129,7 @@ def _shard_task(
                 "dropped_tokens": dropped,
             },
         )
-        ds = h5format.create_dataset(f, "input_ids", win.shape, dtype, h5format.UNIT_ROWS["gpt"])
+        ds = h5format.create_dataset(f, "input_ids", win.shape, dtype, GPT.unit_rows)
         for s in range(0, len(win), 1024):
             ds[s : s + 1024] = win[s : s + 1024].astype(dtype)
     return {
@@ -168,71 +145,27 @@ def _shard_task(
     }
 
 
-def _dataset_files(spec: str) -> list[Path]:
-    p = Path(spec)
-    if p.is_file():
-        files = [p]
-    elif p.is_dir():
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in DATASET_BUILDERS)
-    else:
-        files = sorted(Path(f) for f in glob.glob(spec) if Path(f).is_file())
-    if not files:
-        raise UserError(f"{spec}: no such dataset file, directory or glob match")
-    bad = [f for f in files if f.suffix not in DATASET_BUILDERS]
-    if bad:
-        raise UserError(f"{bad[0]}: unsupported dataset file type (use {', '.join(DATASET_BUILDERS)})")
-    kinds = {DATASET_BUILDERS[f.suffix] for f in files}
-    if len(kinds) > 1:
-        raise UserError(f"{spec}: mixes dataset file types {sorted(kinds)}; give one type at a time")
-    return files
-
-
-def dataset_documents(spec: str, field: str) -> Iterator[str]:
-    """Stream documents from local files through `datasets` (never from a hub)."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    try:
-        from datasets import load_dataset  # optional: the [datasets] extra
-    except ImportError:
-        raise UserError("--dataset needs the 'datasets' package: pip install 'wikipretrain[datasets]'") from None
-
-    files = _dataset_files(spec)
-    builder = DATASET_BUILDERS[files[0].suffix]
-    try:
-        ds = load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True)
-        for rec in ds:
-            if field not in rec:
-                raise UserError(f"{spec}: record has no field {field!r} (fields: {', '.join(rec)}); use --text-field")
-            val = rec[field]
-            if val is None:
-                continue
-            if not isinstance(val, str):
-                raise UserError(f"{spec}: field {field!r} holds {type(val).__name__}, expected text")
-            yield val
-    except UserError:
-        raise
-    except Exception as e:  # pyarrow/json parse errors
-        raise UserError(f"{spec}: cannot read as {builder} ({str(e).splitlines()[0][:200]})") from None
-
-
-def _dataset_shards(spec: str, field: str, shards: int) -> Iterator[tuple[int, list[str], str]]:
+def _dataset_shards(source: Source, shards: int) -> Iterator[tuple[int, list[str], str]]:
     """Group streamed documents into shards of about equal text size (a counting pass when --shards N)."""
     if shards > 0:
-        total = sum(len(d.encode("utf-8")) for d in dataset_documents(spec, field))
+        total = sum(len(document_text(d).encode("utf-8")) for d in source.documents())
         target = max(1, total / shards)
     else:
         target = AUTO_SHARD_BYTES
+    name = Path(source.name).name
     cur: list[str] = []
     cur_bytes, index, first = 0, 0, 0
     n = 0
-    for d in dataset_documents(spec, field):
+    for doc in source.documents():
+        d = document_text(doc)
         cur.append(d)
         cur_bytes += len(d.encode("utf-8"))
         n += 1
         if cur_bytes >= target and (shards <= 0 or index < shards - 1):
-            yield index, cur, f"{Path(spec).name}:records {first}-{n}"
+            yield index, cur, f"{name}:records {first}-{n}"
             index, cur, cur_bytes, first = index + 1, [], 0, n
     if cur:
-        yield index, cur, f"{Path(spec).name}:records {first}-{n}"
+        yield index, cur, f"{name}:records {first}-{n}"
 
 
 def build_gpt_shards(
@@ -242,6 +175,7 @@ def build_gpt_shards(
     text: str | os.PathLike | None = None,
     dataset: str | None = None,
     text_field: str = "text",
+    split: str = "train",
     seq_len: int = 2048,
     workers: int = 1,
     shards: int = 0,
@@ -251,7 +185,8 @@ def build_gpt_shards(
     """Documents -> packed ``gpt-NNNNN.h5`` windows and ``manifest.json`` under ``out``; returns the totals.
 
     Exactly one source: ``text`` (NVIDIA-layout text dir or file) or ``dataset`` (local json/jsonl/
-    parquet/txt file, directory or glob, documents in ``text_field``). ``shards=0``: one output shard per
+    parquet/csv/arrow/txt file, directory or glob, a saved dataset (``split``), a dump; documents in
+    ``text_field``). ``shards=0``: one output shard per
     32 MiB of text. ``progress=None`` shows a bar only on a terminal. Raises ``UserError`` (nothing
     left behind) on bad settings or input, a corpus shorter than one window, or a non-empty ``out``
     without ``overwrite``.
@@ -273,12 +208,10 @@ def build_gpt_shards(
         sources: Iterator[tuple[int, Any, str]] = iter([(sh.index, sh, sh.describe()) for sh in plan])
         source_name = str(text)
     else:
-        assert dataset is not None
-        # fail before writing anything on a missing path, an unreadable file or a missing field
-        if next(dataset_documents(dataset, text_field), None) is None:
-            raise UserError(f"{dataset}: empty corpus (no records with field {text_field!r})")
-        sources = _dataset_shards(dataset, text_field, shards)
-        source_name = str(dataset)
+        source = Source(None, dataset, text_field, split)
+        source.check()  # fail before writing anything on a missing path, an unreadable file or a missing field
+        sources = _dataset_shards(source, shards)
+        source_name = source.name
     settings = {
         "seq_len": seq_len,
         "tokenizer_sha256": h5format.sha256_file(tokenizer),
@@ -288,8 +221,8 @@ def build_gpt_shards(
         "eod_token": eod_name,
         "source": source_name,
     }
-    attrs = {"format": h5format.GPT_FORMAT, "format_version": h5format.FORMAT_VERSION, **settings}
-    with ShardDir(out, "gpt", overwrite) as dest:
+    attrs = {"format": GPT.format_attr, "format_version": h5format.FORMAT_VERSION, **settings}
+    with ShardDir(out, GPT.name, overwrite) as dest:
         jobs = (
             ShardJob((index, src, desc, str(dest.path(index)), str(tokenizer), seq_len, attrs))
             for index, src, desc in sources

@@ -1,6 +1,7 @@
-"""The HDF5 shard formats (BERT instances in NVIDIA's schema, packed GPT windows) and their checks.
+"""The HDF5 shard files and their checks, for every format of ``data.formats`` (BERT instances in NVIDIA's
+schema, packed GPT windows).
 
-One module owns the schema so the writers (``data.bert``, ``data.gpt``) and the reader (``data.loader``)
+The format records own the schema so the writers (``data.bert``, ``data.gpt``) and the reader (``data.loader``)
 cannot drift apart. Shards carry attributes (format, version, vocabulary hash, every setting) so a
 loader can refuse a file built for another vocabulary or sequence length, naming the file and both
 values. NVIDIA-produced shards (same datasets, no attributes, gzip, int32 or int64) are accepted on
@@ -24,7 +25,7 @@ import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import h5py
 import numpy as np
@@ -32,58 +33,24 @@ import numpy as np
 from common.atomic import atomic_write_json
 from common.errors import UserError
 from common.log import get_logger
+from data.formats import BERT, GPT, _View, get_format
 
 log = get_logger("data.h5format")
 
-BERT_FORMAT = "wikipretrain-bert"
-GPT_FORMAT = "wikipretrain-gpt"
 FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
 SHARD_GLOB = "*.h5"
-# the attributes every shard of a data set must agree on (they define a sample)
-CONSISTENT_KEYS = {
-    "bert": ("seq_len", "max_pred", "vocab_sha256", "vocab_size", "lowercase"),
-    "gpt": ("seq_len", "tokenizer_sha256", "vocab_size", "eod_id"),
-}
-
-
-class Field(NamedTuple):
-    """One dataset of a shard: how it is written, what a reader accepts, and what the loader calls it."""
-
-    rank: int
-    dtype: str  # written by our shard writers
-    accepted: tuple[str, ...]  # dtypes read: NVIDIA writes int32/int8, TF-converted shards int64
-    width: str = ""  # the setting giving a row's width: "seq_len", "max_pred", "seq_len+1"; "" for one value
-    batch_key: str = ""  # key in the loader's micro-batches (transformers' names); "" for the dataset name
-
-    def row_width(self, seq_len: int, max_pred: int = 0) -> int:
-        return {"": 1, "seq_len": seq_len, "max_pred": max_pred, "seq_len+1": seq_len + 1}[self.width]
-
-    def key(self, name: str) -> str:
-        return self.batch_key or name
-
-
-_INTS = ("i1", "i2", "i4", "i8", "u1", "u2", "u4")
-# NVIDIA's dataset names, in the order its reader lists them
-BERT_SCHEMA: dict[str, Field] = {
-    "input_ids": Field(2, "i4", _INTS, "seq_len"),
-    "input_mask": Field(2, "i1", _INTS, "seq_len", "attention_mask"),
-    "segment_ids": Field(2, "i1", _INTS, "seq_len", "token_type_ids"),
-    "masked_lm_positions": Field(2, "i4", _INTS, "max_pred"),
-    "masked_lm_ids": Field(2, "i4", _INTS, "max_pred"),
-    "next_sentence_labels": Field(1, "i1", _INTS),
-}
-# Megatron / GPT-NeoX packing: seq_len + 1 tokens per sample (inputs [:-1], targets [1:])
-GPT_SCHEMA: dict[str, Field] = {"input_ids": Field(2, "i4", ("u2", "i4", "i8", "u4"), "seq_len+1")}
-SCHEMAS = {"bert": BERT_SCHEMA, "gpt": GPT_SCHEMA}
+# Views of the format records (data.formats), by format name
+SCHEMAS = _View(lambda f: f.schema)
+UNIT_ROWS = _View(lambda f: f.unit_rows)
+CONSISTENT_KEYS = _View(lambda f: f.consistent_keys)
+BERT_FORMAT, GPT_FORMAT = BERT.format_attr, GPT.format_attr
+BERT_SCHEMA, GPT_SCHEMA = dict(BERT.schema), dict(GPT.schema)
 
 # Compression of the shards we write: lzf decodes several times faster than gzip at a similar ratio on
-# these small-integer arrays. Rows are chunked by the loader's unit of order (see data.loader): a rank's
-# share of a step is whole units, so it decodes no row it does not train on. BERT: 64 rows (~60 KB
-# decoded over the six datasets; the per-rank share of NVIDIA's phase-1 batch at 1,024 ranks). GPT: one
-# window (2,049 tokens), any rank count down to one window per rank.
+# these small-integer arrays. Rows are chunked by the loader's unit of order (``ShardFormat.unit_rows``, see
+# data.loader): a rank's share of a step is whole units, so it decodes no row it does not train on.
 COMPRESSION = "lzf"
-UNIT_ROWS = {"bert": 64, "gpt": 1}
 V1_CHUNK_ROWS = 1024  # what format version 1 used
 
 
@@ -131,8 +98,7 @@ def inspect_shard(path: Path, kind: str) -> ShardInfo:
 
     Raises UserError naming the file and the problem.
     """
-    if kind not in SCHEMAS:
-        raise UserError(f"unknown shard kind {kind!r} (expected 'bert' or 'gpt')")
+    fmt = get_format(kind)
     try:
         f = h5py.File(path, "r")
     except OSError as e:
@@ -140,7 +106,7 @@ def inspect_shard(path: Path, kind: str) -> ShardInfo:
     with f:
         rows = None
         shapes = {}
-        for name, (rank, _, accepted, _, _) in SCHEMAS[kind].items():
+        for name, (rank, _, accepted, _, _) in fmt.schema.items():
             if name not in f:
                 raise UserError(f"{path}: missing dataset {name!r} (not a {kind} pre-training shard)")
             ds = f[name]
@@ -157,20 +123,16 @@ def inspect_shard(path: Path, kind: str) -> ShardInfo:
             shapes[name] = ds.shape
         attrs = {k: _attr(v) for k, v in f.attrs.items()}
     has_attrs = "format" in attrs
-    expected_format = BERT_FORMAT if kind == "bert" else GPT_FORMAT
-    if has_attrs and attrs["format"] != expected_format:
-        raise UserError(f"{path}: attribute format={attrs['format']!r}, expected {expected_format!r}")
+    if has_attrs and attrs["format"] != fmt.format_attr:
+        raise UserError(f"{path}: attribute format={attrs['format']!r}, expected {fmt.format_attr!r}")
     if has_attrs and int(attrs.get("format_version", 0)) > FORMAT_VERSION:
         raise UserError(
             f"{path}: format_version={attrs['format_version']} is newer than this reader "
             f"({FORMAT_VERSION}); update the code"
         )
     # Shapes are the truth for the lengths; a disagreeing attribute means a damaged or hand-edited file.
-    if kind == "bert":
-        inferred = {"seq_len": shapes["input_ids"][1], "max_pred": shapes["masked_lm_positions"][1]}
-    else:
-        inferred = {"seq_len": shapes["input_ids"][1] - 1}
-    for name, fld in SCHEMAS[kind].items():
+    inferred = fmt.infer(shapes)
+    for name, fld in fmt.schema.items():
         want = fld.row_width(inferred["seq_len"], inferred.get("max_pred", 0))
         if fld.rank == 2 and shapes[name][1] != want:
             raise UserError(f"{path}: dataset {name!r} is {shapes[name][1]} wide, expected {fld.width}={want}")
@@ -235,7 +197,7 @@ def _no_manifest(where: str) -> UserError:
 def read_manifest(directory: Path, kind: str) -> ShardList:
     """Parse ``directory/manifest.json`` (no shard is opened); errors name the manifest."""
     man = directory / MANIFEST
-    expected = BERT_FORMAT if kind == "bert" else GPT_FORMAT
+    expected = get_format(kind).format_attr
     try:
         data = json.loads(man.read_text())
         fmt, version = data["format"], int(data.get("format_version", 1))
@@ -278,8 +240,7 @@ def list_shards(path: str | os.PathLike, kind: str, *, require_manifest: bool = 
     """The shards under ``path``: a directory with ``manifest.json`` (nothing opened), or, only with
     ``require_manifest=False``, a directory of ``*.h5``/``*.hdf5``, one file or a glob (every file opened
     and checked, as shards made elsewhere carry no manifest)."""
-    if kind not in SCHEMAS:
-        raise UserError(f"unknown shard kind {kind!r} (expected 'bert' or 'gpt')")
+    fmt = get_format(kind)
     p = Path(path)
     if p.is_dir() and (p / MANIFEST).exists():
         return read_manifest(p, kind)
@@ -289,7 +250,7 @@ def list_shards(path: str | os.PathLike, kind: str, *, require_manifest: bool = 
         glob_files(path)  # a missing path or an empty glob says so first
         raise _no_manifest(str(path))
     infos = [inspect_shard(f, kind) for f in glob_files(path)]
-    attrs = check_consistent(infos, CONSISTENT_KEYS[kind])
+    attrs = check_consistent(infos, fmt.consistent_keys)
     entries = [ShardEntry(i.path, i.num_samples) for i in infos]
     with h5py.File(infos[0].path, "r") as f:
         chunks = f["input_ids"].chunks
@@ -319,7 +280,7 @@ def check_shard(shards: ShardList, i: int) -> ShardInfo:
     if info.num_samples != e.samples:
         raise UserError(f"{e.path}: {info.num_samples} rows but {shards.where} records {e.samples}")
     if shards.manifest is not None:
-        for k in CONSISTENT_KEYS[shards.kind]:
+        for k in get_format(shards.kind).consistent_keys:
             a, b = shards.attrs.get(k), info.attrs.get(k)
             if a is not None and b is not None and str(a) != str(b):
                 raise UserError(f"{e.path}: attribute {k}={b!r} but {shards.where} says {a!r}")
@@ -376,9 +337,9 @@ def write_manifest(out: Path, kind: str, shards: list[dict[str, Any]], settings:
     atomic_write_json(
         out / MANIFEST,
         {
-            "format": BERT_FORMAT if kind == "bert" else GPT_FORMAT,
+            "format": get_format(kind).format_attr,
             "format_version": FORMAT_VERSION,
-            "chunk_rows": UNIT_ROWS[kind],
+            "chunk_rows": get_format(kind).unit_rows,
             "settings": dict(settings),
             "shards": shards,
             "totals": totals,

@@ -63,6 +63,7 @@ import torch
 from common.errors import UserError
 from common.log import get_logger
 from data import h5format, reads
+from data.formats import get_format
 from data.reads import ReadRetry, ShardDamaged, ShardReadError
 
 log = get_logger("data.loader")
@@ -81,8 +82,7 @@ def _open_shards(
     """List and check the shards: the manifest, a stat of every shard, and a full check of this rank's
     ``share`` (rank, world) of them; without a manifest (opt-in) every shard is opened."""
     global _warned_missing_attrs
-    if kind not in h5format.SCHEMAS:
-        raise UserError(f"loader kind {kind!r}: expected 'bert' or 'gpt'")
+    get_format(kind)  # one line naming the known formats otherwise
     shards = h5format.list_shards(path, kind, require_manifest=require_manifest)
     h5format.check_expect(shards.attrs, expect, shards.where)
     if shards.manifest is not None:

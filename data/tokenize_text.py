@@ -9,7 +9,6 @@ worker's memory is bounded by one input shard, not by the corpus. Tokenization u
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import re
@@ -18,10 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tokenizers import BertWordPieceTokenizer
 
 from common.errors import UserError
-from data.vocab import load_vocab_checked
+from data.tokenizer import encode_lines
 
 AUTO_SHARD_BYTES = 32 << 20  # --shards 0: one input shard per 32 MiB of text
 _BOUNDARY = re.compile(rb"\n[ \t\r\f\v]*\n")
@@ -145,94 +143,6 @@ def read_lines(shard: InputShard) -> Iterator[list[str]]:
         for i in range(0, len(lines), ENCODE_BATCH_LINES):
             yield [ln.strip() for ln in lines[i : i + ENCODE_BATCH_LINES]]
         yield [""]  # a file (segment) end closes the current document
-
-
-def check_bert_vocab(vocab: str | os.PathLike) -> list[str]:
-    """A WordPiece ``vocab.txt`` as its token list; errors (naming the file) when it lacks a BERT special
-    token."""
-    index = load_vocab_checked(Path(vocab))
-    words = [""] * len(index)
-    for w, i in index.items():
-        words[i] = w
-    return words
-
-
-def bert_tokenizer(vocab: str | os.PathLike, lowercase: bool):
-    """The Rust WordPiece tokenizer with BERT's basic tokenization (same splits as Google's
-    tokenization.py)."""
-    return BertWordPieceTokenizer(
-        str(vocab), lowercase=lowercase, strip_accents=lowercase, clean_text=True, handle_chinese_chars=True
-    )._tokenizer
-
-
-def encode_lines(tokenizer, lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Batch-encode lines -> (flat int32 ids, int64 per-line lengths)."""
-    if isinstance(tokenizer, CachedBertTokenizer):
-        return tokenizer.encode_lines(lines)
-    encs = tokenizer.encode_batch(lines, add_special_tokens=False)
-    ids = [e.ids for e in encs]
-    lens = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-    flat = np.fromiter(itertools.chain.from_iterable(ids), dtype=np.int32, count=int(lens.sum()))
-    return flat, lens
-
-
-class CachedBertTokenizer:
-    """The `tokenizers` BERT WordPiece tokenizer behind a cache of space-separated chunks; same ids, faster.
-
-    On this 2-core machine the Rust pipeline (normalizer, pre-tokenizer, WordPiece, Encoding objects)
-    costs 2-8 us per token (non-ASCII text is slowest), most of the instance builder's time. BERT's
-    normalization and pre-tokenization act on each character or split at whitespace, so a space-
-    separated chunk of a line tokenizes the same alone as in its line. Each distinct chunk goes through
-    the library once (it is Zipf-distributed text: most chunks repeat), the rest is a dict lookup and
-    numpy gathers. ``tests/test_data_bert.py`` checks identical ids against the plain library tokenizer.
-    """
-
-    MAX_CACHE = 1_000_000  # distinct chunks kept (~100 MB); the cache restarts when full
-
-    def __init__(self, vocab: str | os.PathLike, lowercase: bool) -> None:
-        self.hf = bert_tokenizer(vocab, lowercase)
-        self._reset()
-
-    def _reset(self) -> None:
-        # index 0: line break, 1: empty chunk (two spaces in a row); both have no pieces
-        self.chunk_index: dict[str, int] = {"\n": 0, "": 1}
-        self.piece_start = [0, 0]
-        self.piece_len = [0, 0]
-        self.pieces: list[int] = []
-        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-
-    def _add(self, chunks: list[str]) -> None:
-        for c, e in zip(chunks, self.hf.encode_batch(chunks, add_special_tokens=False)):
-            self.chunk_index[c] = len(self.piece_start)
-            self.piece_start.append(len(self.pieces))
-            self.piece_len.append(len(e.ids))
-            self.pieces.extend(e.ids)
-        self._arrays = None
-
-    def encode_lines(self, lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Lines (without newlines) -> (flat int32 ids, int64 tokens per line), as the library's
-        encode_batch."""
-        chunks = " \n ".join(lines).split(" ")
-        idx = list(map(self.chunk_index.get, chunks))
-        if None in idx:
-            if len(self.chunk_index) > self.MAX_CACHE:
-                self._reset()
-            self._add(list(dict.fromkeys(c for c, i in zip(chunks, idx) if i is None)))
-            idx = list(map(self.chunk_index.get, chunks))
-        if self._arrays is None:
-            self._arrays = (
-                np.asarray(self.piece_start, dtype=np.int64),
-                np.asarray(self.piece_len, dtype=np.int64),
-                np.asarray(self.pieces, dtype=np.int32),
-            )
-        pstart, plen, pieces = self._arrays
-        ci = np.asarray(idx, dtype=np.int64)
-        lens = plen[ci]
-        line_of_chunk = np.cumsum(ci == 0)  # chunks after the k-th line break belong to line k
-        per_line = np.bincount(line_of_chunk, weights=lens, minlength=len(lines)).astype(np.int64)
-        offs = np.cumsum(lens) - lens
-        flat = pieces[np.repeat(pstart[ci] - offs, lens) + np.arange(int(lens.sum()))]
-        return flat, per_line
 
 
 @dataclass

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from common.errors import UserError
 from data import h5format
+from data.formats import format_of_attr, formats
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def manifest_kind(directory: Path) -> str:
-    """'bert' or 'gpt', from the manifest's format (errors name the manifest)."""
+    """The format's name (``bert``, ``gpt``), from the manifest's format attribute (errors name the manifest)."""
     man = directory / h5format.MANIFEST
     if not man.is_file():
         raise UserError(f"{directory}: no {h5format.MANIFEST}; nothing to verify against")
@@ -33,10 +34,11 @@ def manifest_kind(directory: Path) -> str:
         fmt = json.loads(man.read_text()).get("format")
     except (OSError, ValueError, AttributeError) as e:
         raise UserError(f"{man}: not a valid shard manifest ({e})") from None
-    kinds = {h5format.BERT_FORMAT: "bert", h5format.GPT_FORMAT: "gpt"}
-    if fmt not in kinds:
-        raise UserError(f"{man}: format {fmt!r} is not a shard format ({', '.join(kinds)})")
-    return kinds[fmt]
+    record = format_of_attr(fmt)
+    if record is None:
+        known = ", ".join(f.format_attr for f in formats())
+        raise UserError(f"{man}: format {fmt!r} is not a shard format ({known})")
+    return record.name
 
 
 def verify_shards(path: str | Path, progress: bool | None = False) -> dict[str, Any]:

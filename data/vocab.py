@@ -152,7 +152,13 @@ def load_vocab_checked(path: Path) -> dict[str, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("text_dir", type=Path, metavar="TEXT_DIR", help="directory of text shards (python -m data wiki)")
+    p.add_argument(
+        "text_dir", type=Path, nargs="?", metavar="TEXT_DIR", help="directory of text shards (python -m data wiki)"
+    )
+    p.add_argument("--dataset", help="instead of TEXT_DIR: any source of `python -m data text --dataset`")
+    p.add_argument("--text-field", default="text", help="record field holding the document's text (--dataset)")
+    p.add_argument("--split", default="train", help="split of a saved DatasetDict directory (--dataset)")
+    p.add_argument("--workers", type=int, default=1, help="sentence-splitting processes (--dataset)")
     p.add_argument("--out", required=True, type=Path, help="vocab.txt (wordpiece) or tokenizer.json (bpe)")
     p.add_argument("--size", required=True, type=int, help="vocabulary size, special tokens included")
     p.add_argument("--kind", choices=("wordpiece", "bpe"), default="wordpiece", help="default: wordpiece")
@@ -169,12 +175,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.kind == "bpe":
-        if args.lowercase:
-            raise UserError("--lowercase applies to --kind wordpiece only (byte-level BPE is always cased)")
-        train_bpe(args.text_dir, args.out, args.size, min_frequency=args.min_frequency)
-    else:
-        lowercase = True if args.lowercase is None else args.lowercase
-        train_wordpiece(args.text_dir, args.out, args.size, lowercase=lowercase, min_frequency=args.min_frequency)
+    from data.documents import Source  # noqa: PLC0415 (data.documents -> data.wiki; kept off TEXT_DIR's path)
+    from data.text import text_layout  # noqa: PLC0415
+
+    if (args.text_dir is None) == (args.dataset is None):
+        raise UserError("give exactly one source: TEXT_DIR or --dataset")
+    if args.kind == "bpe" and args.lowercase:
+        raise UserError("--lowercase applies to --kind wordpiece only (byte-level BPE is always cased)")
+    _check_size(args.size, args.kind)
+    source = Source(None if args.text_dir is None else str(args.text_dir), args.dataset, args.text_field, args.split)
+    with text_layout(source, Path(args.out).resolve().parent, args.workers) as text_dir:
+        if args.kind == "bpe":
+            train_bpe(text_dir, args.out, args.size, min_frequency=args.min_frequency)
+        else:
+            lowercase = True if args.lowercase is None else args.lowercase
+            train_wordpiece(text_dir, args.out, args.size, lowercase=lowercase, min_frequency=args.min_frequency)
     print(f"wrote {args.out}", flush=True)
     return 0

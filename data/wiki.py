@@ -280,7 +280,7 @@ class _BoundedOrderedMap:
 # --------------------------------------------------------------------------------------------------
 
 
-class _ShardWriter:
+class TextShardWriter:
     """One output shard, written to a temporary name and renamed into place on success."""
 
     def __init__(self, path: Path, stack: contextlib.ExitStack) -> None:
@@ -369,9 +369,10 @@ def _article_chunks(inputs: Sequence[tuple[Path, int]], progress: _Progress) -> 
         yield chunk
 
 
-class _Cleaners:
-    """Cleans chunks of articles: in this process for one worker, else in a pool of ``workers`` spawned
-    processes with at most ``2 x workers`` chunks in flight; results in submission order either way.
+class ChunkPool:
+    """Runs ``work`` on chunks of articles (``data.wiki``'s cleaning, ``data.text``'s sentence splitting): in
+    this process for one worker, else in a pool of ``workers`` spawned processes with at most ``2 x workers``
+    chunks in flight; results in submission order either way.
 
     A context manager. On success the pool is closed and joined. On any exception (a bad dump, Ctrl-C) the
     chunks already handed out are waited for first, then the pool is terminated: ``Pool.terminate()`` can
@@ -379,19 +380,19 @@ class _Cleaners:
     78178; ``_BoundedOrderedMap.settle``).
     """
 
-    def __init__(self, workers: int, min_chars: int, keep_disambiguation: bool) -> None:
+    def __init__(self, workers: int, work: Callable[[Any], ChunkResult]) -> None:
         self.workers = workers
-        self._work = functools.partial(_process_chunk, min_chars=min_chars, keep_disambiguation=keep_disambiguation)
+        self._work = work  # a picklable function of one chunk (a module-level function or a partial of one)
         self._pool: Any = None
         self._ordered: _BoundedOrderedMap | None = None
 
-    def __enter__(self) -> _Cleaners:
+    def __enter__(self) -> ChunkPool:
         if self.workers > 1:
             self._pool = mp.get_context("spawn").Pool(self.workers, initializer=_init_worker)
             self._ordered = _BoundedOrderedMap(self._pool, self._work, max_pending=2 * self.workers)
         return self
 
-    def map(self, chunks: Iterable[list[tuple[str, str]]]) -> Iterator[ChunkResult]:
+    def map(self, chunks: Iterable[Any]) -> Iterator[ChunkResult]:
         if self._ordered is None:
             return map(self._work, chunks)
         return self._ordered.map(chunks)
@@ -417,7 +418,7 @@ def _write_shards(
     are complete; count the dropped articles and the written ones in ``counts``. Returns the shard records.
     """
     with contextlib.ExitStack() as stack:
-        writers = [_ShardWriter(out_dir / f"wiki_{i:05d}.txt", stack) for i in range(shards)]
+        writers = [TextShardWriter(out_dir / f"wiki_{i:05d}.txt", stack) for i in range(shards)]
         k = 0
         for chunk_result in results:
             for status, block, n_sent, n_chars in chunk_result:
@@ -477,7 +478,10 @@ def extract_dump(
         show = progress and sys.stderr.isatty()
         with (
             tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="wiki", file=sys.stderr, disable=not show) as bar,
-            _Cleaners(workers, min_article_chars, keep_disambiguation) as cleaners,
+            ChunkPool(
+                workers,
+                functools.partial(_process_chunk, min_chars=min_article_chars, keep_disambiguation=keep_disambiguation),
+            ) as cleaners,
         ):
             read = _Progress(bar)
             results = cleaners.map(_article_chunks(list(zip(paths, sizes)), read))

@@ -12,7 +12,6 @@ The family's spec (``BertSpec``), its named sizes and its record (``FAMILY``, ``
 from __future__ import annotations
 
 import functools
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.errors import UserError
-from data.tokenize_text import bert_tokenizer, check_bert_vocab
+from data.tokenizer import bert_tokenizer, check_bert_vocab
 from model import unpad as unpadding
 from model.family import CompileTarget, Evaluation, Family, ParamRole, check_sizes, hf_inside, pad_vocab
 from model.losses import IGNORE_INDEX, ChunkedLossHead
@@ -246,7 +245,7 @@ class BertPretraining(nn.Module):
 def save_hf_tokenizer(vocab: Path, out: Path, spec: BertSpec, lowercase: bool) -> dict[str, int]:
     """Write the tokenizer the shards were made with as Hugging Face files; return its special-token ids.
 
-    ``tokenizer.json`` holds the very ``tokenizers`` pipeline of ``data.tokenize_text.bert_tokenizer``
+    ``tokenizer.json`` holds the very ``tokenizers`` pipeline of ``data.tokenizer.bert_tokenizer``
     (BERT normalizer with the shards' casing, WordPiece over ``vocab``), so ``AutoTokenizer`` gives the
     training ids; ``vocab.txt`` is copied beside it for readers that want the plain vocabulary.
     """
@@ -254,7 +253,7 @@ def save_hf_tokenizer(vocab: Path, out: Path, spec: BertSpec, lowercase: bool) -
     # transformers 5 exports BertTokenizerFast lazily (an alias of BertTokenizer) without declaring it.
     from transformers import BertTokenizerFast  # type: ignore[attr-defined]
 
-    words = check_bert_vocab(vocab)  # one line naming the file when it is not a BERT vocab.txt
+    words = check_bert_vocab(vocab, lowercase)  # one line naming the file when it is not a BERT vocabulary
     if len(words) > spec.padded_vocab:
         raise UserError(f"{vocab}: {len(words)} tokens do not fit {spec.name}'s {spec.padded_vocab} embedding rows")
     tok = BertTokenizerFast(
@@ -265,7 +264,7 @@ def save_hf_tokenizer(vocab: Path, out: Path, spec: BertSpec, lowercase: bool) -
         model_max_length=spec.max_positions,
     )
     tok.save_pretrained(str(out))
-    shutil.copyfile(vocab, Path(out) / "vocab.txt")
+    (Path(out) / "vocab.txt").write_text("".join(w + "\n" for w in words), encoding="utf-8")  # also from a .json
     return {"pad_token_id": tok.pad_token_id}
 
 

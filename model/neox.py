@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from common.errors import UserError
-from data.gpt import load_tokenizer
+from data.tokenizer import load_tokenizer
 from model.family import (
     CompileTarget,
     Evaluation,

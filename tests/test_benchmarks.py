@@ -71,6 +71,10 @@ ARGS: dict[str, Callable[[Path], list[str]]] = {
         *("bench_bert_instances.py", "--copies", "1", "--dupe-factor", "1", "--skip-peer"),
         *("--vocab", str(w / "vocab.txt")),
     ],
+    "corpus": lambda w: [
+        *("bench_corpus.py", "--copies", "1", "--workers", "1", "--dupe-factor", "1", "--work", str(w / "c")),
+        *("--vocab", str(w / "vocab.txt"), "--tokenizer", str(w / "c" / "none.json")),
+    ],
     "wiki": lambda w: (
         ["bench_wiki.py", "--workers", "1", "--repeat", "1", "--rss-repeats", "1", "1"] + ["--workdir", str(w)]
     ),
@@ -294,6 +298,18 @@ def test_bench_bert_instances(bench: TwoAtATime) -> None:
     rows = figures(rf"^1 copy +data bert --workers [12] +{NUM} +{NUM} +{NUM} +{NUM} +{NUM} ", out, count=2)
     assert all(inst > 0 and tokens > 0 and per_s > 0 for inst, tokens, _, per_s, _ in rows)
     assert rows[0][:2] == rows[1][:2]  # the same instances with 1 and 2 workers
+
+
+@pytest.mark.slow
+def test_bench_corpus(bench: TwoAtATime) -> None:
+    """The toy size (the sample once, a BPE trained on it): four rows whose rates are their quotients; the GPT
+    paths tokenize the same documents, so the same tokens."""
+    out, _ = bench("corpus")
+    units = "(?:instances|tokens)"
+    rows = printed(rf"^\| (BERT|GPT): [^|]+ \| 1 \| {NUM} {units} \| {NUM} \| {NUM} \| {NUM} \| {NUM} \|$", out, 4)
+    assert [r[0] for r in rows] == ["BERT", "BERT", "GPT", "GPT"]
+    assert all(number(n) > 0 and is_quotient(rate, n, cpu) for _, n, cpu, _, rate, _ in rows)
+    assert rows[2][1] == rows[3][1] and rows[0][5] == rows[2][5] == "1.00"
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from data.tokenize_text import CachedBertTokenizer, bert_tokenizer, encode_lines
+from data.tokenizer import CachedBertTokenizer, bert_tokenizer, encode_lines
 from tests.conftest import REPO, data_cli, expect_error, run_env
 
 NAMES = [

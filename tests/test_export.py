@@ -141,7 +141,7 @@ def bert_run(tmp_path_factory, wiki_text_dir, bert_vocab) -> dict[str, Path]:
 def test_bert_export_reproduces_training_tokenizer_and_weights(bert_run, wiki_text_dir):
     from transformers import AutoModelForPreTraining, AutoTokenizer
 
-    from data.tokenize_text import bert_tokenizer
+    from data.tokenizer import bert_tokenizer
 
     out = bert_run["root"] / "hf"
     res = _export(str(bert_run["checkpoints"]), "--out", str(out))
@@ -347,7 +347,7 @@ def test_a_plugin_family_exports_with_families_and_loads_in_transformers(gpt_sha
 def test_bert_tokenizer_files_for_the_sample_vocab(wiki_vocab, wiki_text_dir, tmp_path, lowercase):
     from transformers import AutoTokenizer
 
-    from data.tokenize_text import bert_tokenizer
+    from data.tokenizer import bert_tokenizer
     from model.registry import FAMILIES, get_spec
 
     ids = FAMILIES["bert"].save_tokenizer(Path(wiki_vocab), tmp_path, get_spec("bert-debug"), {"lowercase": lowercase})

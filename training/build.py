@@ -17,9 +17,10 @@ import torch
 
 from common.errors import UserError
 from common.log import get_logger
-from data.h5format import sha256_file
+from data.formats import get_format
 from data.loader import EvalSet, PretrainingLoader
 from data.reads import ReadRetry
+from data.tokenizer import vocab_sha256
 from model.build import build_model
 from model.compile import compiled_modules
 from model.compile import wanted as compile_wanted
@@ -128,7 +129,7 @@ def open_data(
     """Open the shards the model family reads, checking them against ``data.*`` (sequence length,
     vocabulary). When the run unpads (``Family.unpadded``: BERT with ``model.unpad``) the micro-batches carry
     where their real tokens are, found on the host (``data.loader.unpadding_index``)."""
-    kind = family.shard_kind if data.kind == "auto" else data.kind
+    kind = family.shard_kind if data.kind == "auto" else get_format(data.kind).name  # one line if unknown
     if kind != family.shard_kind:
         raise UserError(f"data.kind={data.kind} does not fit model {model.name} ({family.name})")
     expect: dict[str, Any] = {"seq_len": data.seq_len}
@@ -138,7 +139,7 @@ def open_data(
     if data.vocab:
         if not Path(data.vocab).exists():
             raise UserError(f"data.vocab={data.vocab}: file does not exist")
-        vocab_sha = sha256_file(data.vocab)  # the hash the shard writers store
+        vocab_sha = vocab_sha256(data.vocab)  # the identity the shard writers store
         expect[family.hash_key] = vocab_sha
     unpad = family.unpadded(model.unpad)
     read_retry = ReadRetry(data.read_retries, read_retry_s)  # training and evaluation reads alike

@@ -73,8 +73,8 @@ class DataSection:
     """Directory of training HDF5 shards (``python -m data bert|gpt``)."""
     eval: str | None = None
     """Directory of held-out shards for evaluation."""
-    kind: Literal["bert", "gpt", "auto"] = "auto"
-    """Shard format; auto follows the model family."""
+    kind: str = "auto"
+    """Shard format: a name in ``data.formats``' registry (``bert``, ``gpt``); auto follows the model family."""
     seq_len: int = 128
     """Sequence length the shards must have."""
     max_pred: int = 20

@@ -25,7 +25,7 @@ import torch
 
 from common.atomic import atomic_path
 from common.errors import UserError
-from data.h5format import sha256_file
+from data.tokenizer import vocab_sha256
 from model.build import build_model, tied_names
 from model.registry import FAMILIES, ModelSpec, family_of, load_families, spec_from_dict
 from training.checkpoint import storage as ckpt
@@ -113,10 +113,10 @@ def _training_tokenizer(client: dict, given: str | Path | None, what: str) -> Pa
         source = "--tokenizer" if given else f"data.vocab recorded in the checkpoint ({recorded or 'none'})"
         raise UserError(f"tokenizer file {path} ({source}) not found; pass --tokenizer {what}")
     expected = client.get("vocab_sha256")
-    if expected and sha256_file(path) != expected:
+    if expected and vocab_sha256(path) != expected:
         raise UserError(
             f"tokenizer file {path} is not the one the checkpoint was trained with "
-            f"(sha256 {sha256_file(path)[:12]}..., the run's {expected[:12]}...)"
+            f"(sha256 {vocab_sha256(path)[:12]}..., the run's {expected[:12]}...)"
         )
     return path
 
