@@ -187,7 +187,7 @@ def text_layout_documents(text: str | os.PathLike) -> Iterator[Document]:
 
 def _pyarrow() -> Any:
     try:
-        import pyarrow  # noqa: PLC0415 (optional: the [datasets] extra)
+        import pyarrow  # on call: optional (the [datasets] extra)
     except ImportError:
         raise UserError(f"--dataset needs the optional 'pyarrow' package: {INSTALL}") from None
     return pyarrow
@@ -263,7 +263,7 @@ def _check_field(f: Path, schema: Any, field: str) -> list[str]:
 def _json_batches(f: Path) -> Iterator[Any]:
     """Record batches of a JSON file: JSON lines streamed by pyarrow, or one JSON array of records."""
     pa = _pyarrow()
-    import pyarrow.json as pj  # noqa: PLC0415
+    import pyarrow.json as pj  # on call: optional (the [datasets] extra)
 
     with open(f, "rb") as fh:
         head = fh.read(4096).lstrip()
@@ -285,7 +285,7 @@ def _batch_readers(kind: str, f: Path, field: str) -> Iterator[Any]:
     """Iterables of record batches for one file (pyarrow objects)."""
     pa = _pyarrow()
     if kind == "parquet":
-        import pyarrow.parquet as pq  # noqa: PLC0415
+        import pyarrow.parquet as pq  # on call: optional (the [datasets] extra)
 
         pf = pq.ParquetFile(f)
         cols = _check_field(f, pf.schema_arrow, field)
@@ -293,7 +293,7 @@ def _batch_readers(kind: str, f: Path, field: str) -> Iterator[Any]:
     elif kind == "json":
         yield from _json_batches(f)
     elif kind == "csv":
-        import pyarrow.csv as pc  # noqa: PLC0415
+        import pyarrow.csv as pc  # on call: optional (the [datasets] extra)
 
         yield pc.open_csv(
             f,

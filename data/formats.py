@@ -158,7 +158,8 @@ _INTS = ("i1", "i2", "i4", "i8", "u1", "u2", "u4")
 
 
 def _bert_tokenizer_attrs(vocab: str, lowercase: bool | None) -> dict[str, Any]:
-    from data.tokenizer import check_bert_vocab, vocab_sha256  # noqa: PLC0415 (tokenizers: only the writers need it)
+    # on call (start-up time): tokenizers, which only the writers need
+    from data.tokenizer import check_bert_vocab, vocab_sha256
 
     words = check_bert_vocab(vocab, lowercase)
     return {
@@ -170,7 +171,7 @@ def _bert_tokenizer_attrs(vocab: str, lowercase: bool | None) -> dict[str, Any]:
 
 
 def _gpt_tokenizer_attrs(tokenizer: str, lowercase: bool | None) -> dict[str, Any]:
-    from data.tokenizer import load_tokenizer, vocab_sha256  # noqa: PLC0415
+    from data.tokenizer import load_tokenizer, vocab_sha256  # on call (start-up time): tokenizers
 
     tok, eod, eod_name = load_tokenizer(tokenizer)
     return {
