@@ -32,7 +32,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_docs.py parses the docs' commands)."""
     parser = argparse.ArgumentParser(
         prog="python -m model",
         description="Model registry. Export a checkpoint with `python -m training export`.",
@@ -41,7 +42,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("list", help="named sizes with parameter counts (meta device)")
     p.add_argument("--json", action="store_true", help="print a JSON list of objects")
     p.set_defaults(func=cmd_list)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

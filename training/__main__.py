@@ -29,7 +29,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_docs.py parses the docs' commands)."""
     parser = argparse.ArgumentParser(prog="python -m training", description="Tools for trained checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("export", help="consolidate a DeepSpeed checkpoint into a Hugging Face model directory")
@@ -47,7 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "training time); those its config lists are never imported unasked",
     )
     p.set_defaults(func=cmd_export)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 
