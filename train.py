@@ -146,7 +146,7 @@ def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir:
         after_load=[attach_zero],
     )
     facts = run_facts(cfg, spec, family, world, grad_accum, engine, events_to)
-    max_pred = cfg.data.max_pred if family.uses_max_pred else None
+    max_pred = cfg.data.max_pred if family.format.uses_max_pred else None
     trainer = Trainer(
         engine,
         data.loader,
@@ -182,7 +182,7 @@ def run_facts(cfg: Config, spec, family, world: int, grad_accum: int, engine, ev
     from training import engine as ds_engine
     from training.metrics import RunFacts
 
-    flops = training_flops_per_token(spec, cfg.data.seq_len, cfg.data.max_pred if family.uses_max_pred else None)
+    flops = training_flops_per_token(spec, cfg.data.seq_len, cfg.data.max_pred if family.format.uses_max_pred else None)
     device = devices.device_name()
     peak = devices.peak_flops(device, ds_engine.compute_dtypes(cfg.deepspeed))
     if peak is not None:  # ranks of one job report one MFU: the best peak any of them measured

@@ -420,7 +420,7 @@ def run_peer(model: str, family: str, paths: dict[str, Path], args, tag: str) ->
         "--model",
         model,
         "--data",
-        str(paths[FAMILIES[family].shard_kind]),
+        str(paths[FAMILIES[family].format.name]),
         "--steps",
         str(args.warmup + args.steps),
         "--warmup",
@@ -974,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     families = {m: get_spec(m).family for m in models}  # unknown names fail here, before any work
-    kinds = tuple(sorted({FAMILIES[f].shard_kind for f in families.values()}))
+    kinds = tuple(sorted({FAMILIES[f].format.name for f in families.values()}))
     check_peer_available(args.peer_site)
     work = Path(args.work).resolve()
     if work == REPO or REPO in work.parents:

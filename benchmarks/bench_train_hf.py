@@ -30,6 +30,7 @@ import torch
 
 from common.errors import UserError, run_cli
 from data import h5format
+from data.formats import BERT, GPT
 
 
 class BertShards(torch.utils.data.Dataset):
@@ -37,7 +38,7 @@ class BertShards(torch.utils.data.Dataset):
     once)."""
 
     def __init__(self, path: str | Path) -> None:
-        files = h5format.list_shards(path, "bert").files
+        files = h5format.list_shards(path, BERT.name).files
         cols: dict[str, list[np.ndarray]] = {}
         for f in files:
             with h5py.File(f, "r") as h:
@@ -102,7 +103,7 @@ def check_same_task(peer: torch.nn.Module, spec, data: str | Path, micro_batch: 
     from model.bert import BertPretraining
 
     loader = PretrainingLoader(
-        data, "bert", micro_batch=micro_batch, grad_accum=1, dp_rank=0, dp_world=1, num_workers=0
+        data, BERT.name, micro_batch=micro_batch, grad_accum=1, dp_rank=0, dp_world=1, num_workers=0
     )
     batch = next(iter(loader))
     with torch.random.fork_rng(devices=[]):
@@ -129,7 +130,7 @@ class GptShards(torch.utils.data.Dataset):
 
     def __init__(self, path: str | Path) -> None:
         rows = []
-        for f in h5format.list_shards(path, "gpt").files:
+        for f in h5format.list_shards(path, GPT.name).files:
             with h5py.File(f, "r") as h:
                 rows.append(h["input_ids"][:])
         self.rows = np.concatenate(rows)
@@ -226,14 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     from model.registry import family_of, get_spec
 
     spec = get_spec(args.model)
-    kind = family_of(spec).shard_kind
+    fmt = family_of(spec).format
+    kind = fmt.name
     info = h5format.inspect_shard(h5format.list_shards(args.data, kind).files[0], kind)
     vocab_size = int(info.attrs["vocab_size"])
     seq_len = int(info.attrs["seq_len"])
-    dataset = BertShards(args.data) if kind == "bert" else GptShards(args.data)
+    dataset = BertShards(args.data) if fmt is BERT else GptShards(args.data)
     torch.manual_seed(args.seed)
     model = build_peer_model(args.model, vocab_size)
-    if kind == "bert":
+    if fmt is BERT:
         # BertForPreTraining takes **kwargs but ignores ``num_items_in_batch`` (its loss is a plain mean), so
         # the Trainer would neither divide the loss by the accumulation steps nor normalise by the item
         # count: the gradients would be grad_accum times too large. Declaring it makes the Trainer divide, as
@@ -310,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     from model.flops import training_flops_per_token
     from training.devices import peak_flops
 
-    dense_head = seq_len if kind == "bert" else None  # BertForPreTraining's MLM head runs at every position
+    dense_head = seq_len if fmt is BERT else None  # BertForPreTraining's MLM head runs at every position
     flops_per_token = training_flops_per_token(get_spec(args.model, vocab_size=vocab_size), seq_len, dense_head)
     peak = peak_flops(torch.cuda.get_device_name() if cuda else "cpu", ("bfloat16", "float32"))
     record = {

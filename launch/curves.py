@@ -15,6 +15,7 @@ from pathlib import Path
 
 from common.atomic import atomic_write_json
 from common.errors import UserError
+from data.formats import BERT
 
 
 def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
@@ -42,7 +43,7 @@ def mlm_majority_baseline(eval_dir: Path, n: int) -> tuple[int, float]:
     from data.loader import EvalSet  # on call (start-up time): the loader loads torch; drawing a curve does not
 
     labels: Counter[int] = Counter()
-    for batch in EvalSet(eval_dir, "bert", n, micro_batch=64, dp_rank=0, dp_world=1):
+    for batch in EvalSet(eval_dir, BERT.name, n, micro_batch=64, dp_rank=0, dp_world=1):
         ids, weights = batch["masked_lm_ids"], batch["masked_lm_weights"]
         labels.update(ids[weights > 0].tolist())
     if not labels:

@@ -209,7 +209,7 @@ def load_phase(name_or_path: str) -> Phase:
     # The vocabulary size is the registry's unless model.vocab_size sets it (train.py reads it from the data).
     spec = get_spec(cfg.model.name, vocab_size=cfg.model.vocab_size)
     family, seq_len = family_of(spec), cfg.data.seq_len
-    max_pred = cfg.data.max_pred if family.uses_max_pred else None
+    max_pred = cfg.data.max_pred if family.format.uses_max_pred else None
     phase = Phase(
         str(path),
         cfg.model.name,

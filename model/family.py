@@ -3,7 +3,8 @@
 A family module (``model.bert``, ``model.neox``, or one named by ``model.families``: the hook in
 ``model.registry``) defines its spec dataclass, its pre-training model, and one record, ``FAMILY``, that
 everything else asks: the build and whether a run unpads, the compile scope, the FLOPs rule, evaluation and
-the logged outputs, the shard format and the Hugging Face export. This module imports no family, so the
+the logged outputs, the name of its shard format (whose record, ``data.formats``, holds the data's facts: tokenizer
+file and hash attribute, ``max_pred``) and the Hugging Face export. This module imports no family, so the
 family modules and the registry that collects them form no circle.
 
 A spec is a frozen dataclass with at least ``name``, ``family`` (the record's name), ``layers``, ``hidden``,
@@ -13,10 +14,14 @@ are the architecture a resume checks (``training.checkpoint.resume.architecture`
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
+
+from common.errors import UserError
+from data.formats import FORMATS, ShardFormat
 
 if TYPE_CHECKING:
     from torch import nn
@@ -59,6 +64,16 @@ CompileTarget = tuple["nn.Module", str, Callable[..., Any]]
 callable compiled) (``model.compile``)."""
 
 
+_MOVED = {
+    "shard_kind": "name",  # the registry key: shard_format="gpt" for shard_kind="gpt"
+    "hash_key": "hash_key",
+    "tokenizer_file": "tokenizer_kind",
+    "uses_max_pred": "uses_max_pred",
+}
+"""The fields the Family record held before it named its shard format -> where each is now: a field of the format's
+record (``data.formats.ShardFormat``)."""
+
+
 def hf_inside(model: Any) -> Any:
     """``Family.transformers_model`` for a model that holds its ``transformers`` model as ``.hf``."""
     return model.hf
@@ -97,14 +112,9 @@ class Family:
     """The pre-training model: ``model(spec, attention)``; when the family ``unpads``, also keywords ``unpad``
     and ``unpad_kernel`` (the kernel asked for over the packed tokens, None for auto: the device's default).
     Built through :meth:`build`, on the current default device."""
-    shard_kind: str
-    """The data layer's name of the shard format the family trains on (``data.h5format.SCHEMAS``)."""
-    hash_key: str
-    """Shard attribute holding the sha256 of the vocabulary / tokenizer file the shards were made with."""
-    tokenizer_file: str
-    """What the tokenizer file is (for messages): ``vocab.txt`` or ``tokenizer.json``."""
-    uses_max_pred: bool
-    """Shards and FLOPs depend on ``data.max_pred`` (MLM predictions per sequence)."""
+    shard_format: str
+    """The name of the shard format the family trains on, a key of ``data.formats``' registry (``bert``,
+    ``gpt``, or one a ``data.formats`` module registers): :attr:`format` is its record."""
     unpads: bool
     """Its model can compute only the real tokens of padded rows (``model.unpad``): :meth:`unpadded`."""
     head_weights: HeadRule
@@ -134,6 +144,19 @@ class Family:
     hf_auto_class: str | None = None
     """The ``transformers`` auto class an exported directory loads with."""
 
+    @property
+    def format(self) -> ShardFormat:
+        """The record of the family's shard format (``data.formats``): its tokenizer file and hash attribute,
+        whether it has ``max_pred``. Looked up when asked, so a format registered by a ``data.formats``
+        module loaded after the family (``training.config.load_config``) is found."""
+        fmt = FORMATS.get(self.shard_format)
+        if fmt is None:
+            raise UserError(
+                f"model family {self.name!r} trains on shard format {self.shard_format!r}, which is not registered "
+                f"(known: {', '.join(FORMATS)}); a format from outside the package comes in through data.formats"
+            )
+        return fmt
+
     def unpadded(self, setting: bool) -> bool:
         """Whether a run computes only the real tokens: ``model.unpad`` (``setting``) where the family can. The
         one place this is decided, before the model is built: the model, the loaders and the FLOPs counter are
@@ -153,3 +176,28 @@ class Family:
         if unpad:
             raise ValueError(f"{self.title} models do not unpad (Family.unpadded)")
         return self.model(spec, attention)
+
+
+def _refuse_moved_fields(init: Callable[..., None]) -> Callable[..., None]:
+    """Wrap the record's ``__init__``: a family module that still sets a field the record held before it named
+    its shard format is told, in one line naming the family and the field, what to set instead."""
+
+    @functools.wraps(init)
+    def checked(self: Family, *args: Any, **fields: Any) -> None:
+        for name in _MOVED:
+            if name in fields:
+                what = (
+                    f"shard_format={fields[name]!r} instead"
+                    if name == "shard_kind"
+                    else f"shard_format, its format's name, instead: that record (data.formats) holds {_MOVED[name]}"
+                )
+                raise UserError(
+                    f"model family {fields.get('name', '?')!r} sets {name}, which the Family record no longer has: "
+                    f"set {what}"
+                )
+        init(self, *args, **fields)
+
+    return checked
+
+
+Family.__init__ = _refuse_moved_fields(Family.__init__)  # type: ignore[method-assign]

@@ -64,14 +64,15 @@ def _assert_weights_are_the_checkpoints(ckpt_dir: Path, hf_model: torch.nn.Modul
 
 
 def _assert_family_hash_key(shards: Path, family: str, tokenizer: Path) -> None:
-    """The shard attribute the family record names holds the hash of the tokenizer file the run used."""
+    """The hash attribute of the family's shard format (its record) holds the hash of the tokenizer file the run
+    used."""
     import h5py
 
     from data.h5format import sha256_file
     from model.registry import FAMILIES
 
     with h5py.File(sorted(shards.glob("*.h5"))[0], "r") as f:
-        assert f.attrs[FAMILIES[family].hash_key] == sha256_file(tokenizer)
+        assert f.attrs[FAMILIES[family].format.hash_key] == sha256_file(tokenizer)
 
 
 def _train(run_dir: Path, ranks: int, *overrides: str) -> Path:

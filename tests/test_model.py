@@ -239,21 +239,34 @@ def test_flops_per_token_convention():
 def test_every_size_has_its_family_record():
     import dataclasses
 
+    from common.errors import UserError
+    from data.formats import BERT, FORMATS, GPT
     from data.h5format import SCHEMAS
     from model.registry import FAMILIES, family_of
 
     for spec in REGISTRY.values():
         family = family_of(spec)
         assert family is FAMILIES[spec.family] and type(spec) is family.spec_class
-        assert family.shard_kind in SCHEMAS  # a shard format the data layer writes
+        assert family.shard_format in SCHEMAS and family.format is FORMATS[family.shard_format]  # a data layer format
         model = family.build(spec, "sdpa") if spec.layers <= 4 else build_model(spec, device="meta")
         assert model.spec is spec and type(model) is type(build_model(spec, device="meta"))
     assert {f.spec_class for f in FAMILIES.values()} == {type(s) for s in REGISTRY.values()}
-    # the two names of one family ("neox" model, "gpt" shards) now live in one record
-    assert (FAMILIES["bert"].shard_kind, FAMILIES["neox"].shard_kind) == ("bert", "gpt")
-    assert FAMILIES["neox"].hash_key == "tokenizer_sha256" and FAMILIES["bert"].uses_max_pred
+    # the two names of one family ("neox" model, "gpt" shards) live in one record; the data's facts in the format's
+    assert (FAMILIES["bert"].format, FAMILIES["neox"].format) == (BERT, GPT)
+    assert FAMILIES["neox"].format.hash_key == "tokenizer_sha256" and FAMILIES["bert"].format.uses_max_pred
     with pytest.raises(dataclasses.FrozenInstanceError):
-        FAMILIES["bert"].shard_kind = "gpt"
+        FAMILIES["bert"].shard_format = "gpt"  # type: ignore[misc]
+    # the fields the record held before it named its format: reading one fails; setting one is refused, in a line
+    # naming the family, the field and what to set instead
+    assert not hasattr(FAMILIES["bert"], "shard_kind") and not hasattr(FAMILIES["bert"], "uses_max_pred")
+    for field, value in (("shard_kind", "gpt"), ("hash_key", "tokenizer_sha256"), ("uses_max_pred", False)):
+        with pytest.raises(
+            UserError, match=rf"^model family 'neox' sets {field}, which the Family record no longer has: set shard_f"
+        ):
+            dataclasses.replace(FAMILIES["neox"], **{field: value})
+    unknown = dataclasses.replace(FAMILIES["neox"], shard_format="nowhere")  # looked up when asked: one line
+    with pytest.raises(UserError, match=r"^model family 'neox' trains on shard format 'nowhere', which is not reg"):
+        _ = unknown.format
 
 
 def test_the_family_hook_and_the_unpad_question():

@@ -129,18 +129,19 @@ def open_data(
     """Open the shards the model family reads, checking them against ``data.*`` (sequence length,
     vocabulary). When the run unpads (``Family.unpadded``: BERT with ``model.unpad``) the micro-batches carry
     where their real tokens are, found on the host (``data.loader.unpadding_index``)."""
-    kind = family.shard_kind if data.kind == "auto" else get_format(data.kind).name  # one line if unknown
-    if kind != family.shard_kind:
-        raise UserError(f"data.kind={data.kind} does not fit model {model.name} ({family.name})")
+    fmt = family.format  # one line if the family's format is not registered
+    if data.kind != "auto" and get_format(data.kind) is not fmt:  # one line if data.kind is unknown
+        raise UserError(f"data.kind={data.kind} does not fit model {model.name} ({family.name}, {fmt.name} shards)")
+    kind = fmt.name
     expect: dict[str, Any] = {"seq_len": data.seq_len}
-    if family.uses_max_pred:
+    if fmt.uses_max_pred:
         expect["max_pred"] = data.max_pred
     vocab_sha = None
     if data.vocab:
         if not Path(data.vocab).exists():
             raise UserError(f"data.vocab={data.vocab}: file does not exist")
         vocab_sha = vocab_sha256(data.vocab)  # the identity the shard writers store
-        expect[family.hash_key] = vocab_sha
+        expect[fmt.hash_key] = vocab_sha
     unpad = family.unpadded(model.unpad)
     read_retry = ReadRetry(data.read_retries, read_retry_s)  # training and evaluation reads alike
     loader = _open_loader(
@@ -163,7 +164,7 @@ def open_data(
             read_retry=read_retry,
         )
     attrs = loader.attrs
-    return RunData(loader, eval_set, kind, attrs, vocab_sha or attrs.get(family.hash_key))
+    return RunData(loader, eval_set, kind, attrs, vocab_sha or attrs.get(fmt.hash_key))
 
 
 def model_spec(model: ModelSection, data: DataSection, shard_attrs: dict[str, Any]):

@@ -164,7 +164,7 @@ def export_checkpoint(
     family = family_of(spec)
     if family.save_tokenizer is None or family.transformers_model is None:
         raise UserError(f"{ckpt_dir / tag}: model family {family.name!r} has no Hugging Face export")
-    tokenizer = _training_tokenizer(client, tokenizer, family.tokenizer_file)
+    tokenizer = _training_tokenizer(client, tokenizer, family.format.tokenizer_kind)
 
     with refusing(ckpt_dir / tag):
         state = consolidated_state(ckpt_dir, tag)
