@@ -72,6 +72,11 @@ class ShardFormat:
     dtypes: Callable[[int], dict[str, str]] | None = None
     """(vocabulary size) -> dtypes ``data convert`` writes where they differ from the schema's."""
 
+    @property
+    def lead(self) -> str:
+        """Its first dataset: the one a shard's row count and chunking are read from."""
+        return next(iter(self.schema))
+
     def infer(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, int]:
         """The lengths the datasets' shapes imply: ``seq_len``, and ``max_pred`` where the format has it."""
         out: dict[str, int] = {}

@@ -119,7 +119,7 @@ def inspect_shard(path: Path, kind: str) -> ShardInfo:
             if rows is None:
                 rows = ds.shape[0]
             elif ds.shape[0] != rows:
-                raise UserError(f"{path}: dataset {name!r} has {ds.shape[0]} rows, input_ids has {rows}")
+                raise UserError(f"{path}: dataset {name!r} has {ds.shape[0]} rows, {fmt.lead} has {rows}")
             shapes[name] = ds.shape
         attrs = {k: _attr(v) for k, v in f.attrs.items()}
     has_attrs = "format" in attrs
@@ -197,14 +197,14 @@ def _no_manifest(where: str) -> UserError:
 def read_manifest(directory: Path, kind: str) -> ShardList:
     """Parse ``directory/manifest.json`` (no shard is opened); errors name the manifest."""
     man = directory / MANIFEST
-    expected = get_format(kind).format_attr
+    expected, count_key = get_format(kind).format_attr, get_format(kind).count_key
     try:
         data = json.loads(man.read_text())
         fmt, version = data["format"], int(data.get("format_version", 1))
         settings = dict(data.get("settings", {}))
         entries = []
         for rec in data["shards"]:
-            samples = rec["samples"] if "samples" in rec else rec["instances"]
+            samples = rec[count_key] if count_key in rec else rec["samples"] if "samples" in rec else rec["instances"]
             entries.append(ShardEntry(directory / rec["file"], int(samples), rec.get("file_bytes"), rec.get("sha256")))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{man}: not a valid shard manifest ({type(e).__name__}: {e})") from None
@@ -253,7 +253,7 @@ def list_shards(path: str | os.PathLike, kind: str, *, require_manifest: bool = 
     attrs = check_consistent(infos, fmt.consistent_keys)
     entries = [ShardEntry(i.path, i.num_samples) for i in infos]
     with h5py.File(infos[0].path, "r") as f:
-        chunks = f["input_ids"].chunks
+        chunks = f[fmt.lead].chunks
     version = int(attrs.get("format_version", 0) or 0)
     return ShardList(str(path), kind, entries, attrs, chunks[0] if chunks else None, None, version)
 
@@ -287,8 +287,8 @@ def check_shard(shards: ShardList, i: int) -> ShardInfo:
     return info
 
 
-def chunk_rows_of(f: h5py.File) -> int | None:
-    chunks = f["input_ids"].chunks
+def chunk_rows_of(f: h5py.File, kind: str) -> int | None:
+    chunks = f[get_format(kind).lead].chunks
     return int(chunks[0]) if chunks else None
 
 

@@ -224,11 +224,12 @@ class _Reader:
             e = self.shards.entries[s]
             f = h5py.File(e.path, "r")  # an OSError here is classified and retried by _unit
             self.stats.files_opened += 1
-            rows = f["input_ids"].shape[0] if "input_ids" in f else -1
+            lead = self.names[0]  # the format's first dataset (ShardFormat.lead)
+            rows = f[lead].shape[0] if lead in f else -1
             if rows != e.samples:
                 f.close()
                 raise ShardDamaged(f"{e.path}: {rows} rows but {self.shards.where} records {e.samples}")
-            got = (f, h5format.chunk_rows_of(f))
+            got = (f, h5format.chunk_rows_of(f, self.kind))
             while len(self.handles) >= 64:
                 self.handles.pop(next(iter(self.handles)))[0].close()
         self.handles[s] = got  # most recently used last

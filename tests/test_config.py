@@ -59,11 +59,26 @@ def test_base_include(tmp_path):
             ["deepspeed.zero_stage=3"],
             "optimizer.name=lans keeps per-tensor trust ratios under ZeRO stages 0-2",
         ),
+        (["data.kind=toy"], r"^unknown shard format 'toy' \(known: bert, gpt\)$"),
+        (["data.formats=[tests.no_such_format]"], "^data.formats: cannot import 'tests.no_such_format'"),
+        (["data.formats=[common.errors]"], "^data.formats: module 'common.errors' defines no FORMAT"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
     with pytest.raises(UserError, match=message.replace("|", r"\|")):
         load_config(None, overrides)
+
+
+def test_a_format_module_registers_its_format():
+    """``data.formats`` registers a format from outside the package (tests/toyformat.py), which ``data.kind`` may
+    then name."""
+    from data.formats import FORMATS
+
+    try:
+        cfg = load_config(None, ["data.formats=[tests.toyformat]", "data.kind=toy"])
+        assert cfg.data.kind == "toy" and FORMATS["toy"].format_attr == "wikipretrain-toy"
+    finally:  # the rest of the session sees the built-in formats only
+        FORMATS.pop("toy", None)
 
 
 def test_gradient_accumulation_reconciled_once():

@@ -467,22 +467,42 @@ def test_neox_trains_and_reports_perplexity(gpt_data, tmp_path):
     assert last < first
 
 
-def test_a_family_from_outside_the_package_trains_evaluates_and_resumes(gpt_data, tmp_path):
-    """A third model family, defined only by tests/toyfamily.py (its record and model) and brought in through
-    model.families: it trains 2 steps and evaluates (its record's metric and logged loss part), resumes from the
-    step-2 checkpoint, and reports MFU from its record's FLOPs. Its export, given the module (``--families``),
-    finds the family and refuses it: the record names no ``transformers`` model (tests/test_export.py exports one
-    that does)."""
+@pytest.fixture(scope="module")
+def toy_data(gpt_data, tmp_path_factory) -> dict[str, Path]:
+    """The GPT data's text and tokenizer in the toy shard format (tests/toyformat.py: its record and builder)."""
+    from data.formats import FORMATS, load_formats
+    from tests.toyformat import build_toy_shards
+
+    root = tmp_path_factory.mktemp("toydata")
+    load_formats(["tests.toyformat"])  # the hook data.formats calls
+    try:
+        for name in ("train", "eval"):
+            build_toy_shards(gpt_data["train"].parent / f"text-{name}", gpt_data["vocab"], root / name, seq_len=128)
+    finally:  # the rest of the session sees the built-in formats only
+        FORMATS.pop("toy")
+    return {"vocab": gpt_data["vocab"], "train": root / "train", "eval": root / "eval"}
+
+
+def test_a_family_and_a_format_from_outside_the_package_train_evaluate_and_resume(toy_data, tmp_path):
+    """A third model family and a third shard format, each defined only in tests/ (tests/toyfamily.py: its record
+    and model; tests/toyformat.py: its record and builder) and brought in through model.families and data.formats.
+    The family names the format: it trains 2 steps on its shards and evaluates (its record's metric and logged
+    loss part), resumes from the step-2 checkpoint (the loader state names the format), and reports MFU from its
+    record's FLOPs. Its export, given the module (``--families``), finds the family and refuses it: the record names
+    no ``transformers`` model (tests/test_export.py exports one that does)."""
     run_dir = tmp_path / "run"
+    manifest = json.loads((toy_data["train"] / "manifest.json").read_text())
+    assert manifest["format"] == "wikipretrain-toy" and all(r["windows"] > 0 for r in manifest["shards"])
     args = [
         "--config",
         "smoke",
         "model.families=[tests.toyfamily]",
+        "data.formats=[tests.toyformat]",
         "model.name=toy-debug",
         f"run.dir={run_dir}",
-        f"data.train={gpt_data['train']}",
-        f"data.eval={gpt_data['eval']}",
-        f"data.vocab={gpt_data['vocab']}",
+        f"data.train={toy_data['train']}",
+        f"data.eval={toy_data['eval']}",
+        f"data.vocab={toy_data['vocab']}",
         "data.num_workers=0",
         "optimizer.name=adamw",
         "deepspeed.zero_stage=0",
@@ -505,6 +525,8 @@ def test_a_family_from_outside_the_package_trains_evaluates_and_resumes(gpt_data
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     trained = [(r["attempt"], r["step"]) for r in records if "loss" in r]
     assert trained == [(1, 1), (1, 2), (2, 3)]
+    saved = json.loads((run_dir / "checkpoints" / "step00000002" / "client_state.json").read_text())
+    assert saved["loader"]["kind"] == "toy"
     assert all(r["lm_loss"] == pytest.approx(r["loss"]) for r in records if "loss" in r)  # its loss part
     evaluated = [r for r in records if "eval_toy_perplexity" in r]
     assert [r["step"] for r in evaluated] == [2, 3] and all("eval_perplexity" not in r for r in evaluated)

@@ -1,4 +1,5 @@
-"""A third model family, defined only here: its spec, its model and its record, on the GPT shard format.
+"""A third model family, defined only here: its spec, its model and its record, on a third shard format (``toy``,
+tests/toyformat.py).
 
 It comes in as any family from outside the package does, through ``model.families=[tests.toyfamily]``
 (``model.registry.load_families``); no file outside tests/ names it. A pre-LN decoder: token embeddings, blocks
@@ -106,7 +107,7 @@ FAMILY = Family(
     spec_class=ToySpec,
     sizes=(ToySpec("toy-debug", layers=2, hidden=64, heads=2, ffn=128),),
     model=ToyModel,
-    shard_format="gpt",
+    shard_format="toy",  # tests/toyformat.py, registered by data.formats=[tests.toyformat]
     unpads=False,
     head_weights=lm_head_weights,
     param_role=param_role,

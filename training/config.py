@@ -18,6 +18,7 @@ from typing import Any, Literal, Union, cast, get_args, get_origin
 import yaml
 
 from common.errors import UserError
+from data.formats import get_format, load_formats
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -74,7 +75,12 @@ class DataSection:
     eval: str | None = None
     """Directory of held-out shards for evaluation."""
     kind: str = "auto"
-    """Shard format: a name in ``data.formats``' registry (``bert``, ``gpt``); auto follows the model family."""
+    """Shard format: a name in ``data.formats``' registry (``bert``, ``gpt``, or one ``data.formats`` below
+    registers); auto: the model family's (``Family.shard_format``)."""
+    formats: list[str] = field(default_factory=list)
+    """Python modules (dotted names, as ``model.families``) that each define a shard format as one ``FORMAT``
+    record (``data.formats.ShardFormat``); loading the config registers them (``data.formats.load_formats``),
+    so ``data.kind`` and a family's ``shard_format`` may name one. The built-in ``bert`` and ``gpt`` need none."""
     seq_len: int = 128
     """Sequence length the shards must have."""
     max_pred: int = 20
@@ -421,6 +427,9 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
     if cfg.checkpoint.mtbf_hours is None:
         cfg.checkpoint.mtbf_hours = node_mtbf_from_env()
     validate(cfg)
+    load_formats(cfg.data.formats)  # before the families, whose records name their formats
+    if cfg.data.kind != "auto":
+        get_format(cfg.data.kind)  # one line naming the known formats otherwise
     if cfg.model.families:
         # on call (start-up time): the registry loads torch and transformers, which reading a config does not
         from model.registry import load_families
