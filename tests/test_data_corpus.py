@@ -14,7 +14,7 @@ import h5py
 import numpy as np
 import pytest
 
-from common.errors import run_cli
+from common.errors import UserError, run_cli
 from data.__main__ import main
 from data.bert import build_bert_shards
 from data.documents import Document, document_sentences, is_heading
@@ -260,11 +260,27 @@ def test_wordpiece_tokenizer_json(
         argv = ["bert", "--text", str(corpus["text"]), "--vocab", str(tok), "--out", str(out), *flags]
         expect_error(data_cli(*argv, check=False), Path(tok).name, needle)
         assert not out.exists()
+    # Shards made from vocab.txt train with data.vocab set to the tokenizer.json: a run reads data.vocab only where
+    # it opens its shards (training.build.open_data), which is done here in-process, as train.py does it (the
+    # launched runs of tests/test_train.py and others train on these shards with the vocab.txt).
+    from model.registry import FAMILIES
+    from training.build import open_data
+    from training.config import load_config
+
     run = tmp_path / "run"
-    steps = ("train.steps=1", "train.global_batch=4", "train.micro_batch=4", "data.eval=null", "checkpoint.every=0")
-    res = run_python(["train.py", *smoke({**bert_data, "vocab": as_json}, run, *steps, "deepspeed.precision=fp32")])
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert json.loads((run / "summary.json").read_text())["steps"] == 1
+    cfg = load_config(
+        "smoke", smoke({**bert_data, "vocab": as_json}, run, "train.micro_batch=4", "data.num_workers=0")[2:]
+    )
+    opened = open_data(cfg.data, cfg.train, cfg.model, FAMILIES["bert"], 1, 0, 1, 1.0)
+    try:
+        assert opened.kind == "bert" and opened.vocab_sha256 == opened.attrs["vocab_sha256"] == vocab_sha256(wiki_vocab)
+        batch = next(iter(opened.loader))
+        assert batch["input_ids"].shape == (4, 128) and int(batch["input_ids"].max()) < opened.attrs["vocab_size"]
+    finally:
+        opened.loader.close()
+    cfg.data.vocab = str(bpe)  # another vocabulary: refused in one line naming the attribute
+    with pytest.raises(UserError, match=r"attribute vocab_sha256='[0-9a-f]+' but expected '[0-9a-f]+'$"):
+        open_data(cfg.data, cfg.train, cfg.model, FAMILIES["bert"], 1, 0, 1, 1.0)
 
 
 def test_format_registry_names_the_known_formats() -> None:
