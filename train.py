@@ -21,6 +21,7 @@ from common.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, SUPERVISED_ENV, USER_
 from common.log import get_logger
 from data.reads import ShardDamaged, ShardUnavailable
 from training.config import Config, gradient_accumulation, load_config, read_retry_s
+from training.ownership import RunOwned
 
 log = get_logger("train")
 
@@ -69,7 +70,7 @@ def prepare(cfg: Config) -> Start | None:
     the trainer with its checkpointer, and the resume (or ``train.init_from``). None: the checkpoint is
     already at ``train.steps``. The caller runs the trainer and closes it (and ends the process group)."""
     from model.registry import family_of, get_spec
-    from training import collectives
+    from training import collectives, ownership
     from training import engine as ds_engine
     from training.build import build_engine, check_run_dir, model_spec, open_data
     from training.checkpoint.resume import check_shared, find_resume
@@ -81,6 +82,8 @@ def prepare(cfg: Config) -> Start | None:
     grad_accum = gradient_accumulation(cfg.train, world)
     run_dir = Path(cfg.run.dir)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    # one live owner: refused here, on every rank, before anything is written in either directory
+    ownership.take([run_dir, ckpt_dir], cfg.run.owner_stale_s, cfg.run.takeover)
     family = family_of(get_spec(cfg.model.name))  # validates the name before any data is read
     check_run_dir(run_dir)
     data = open_data(cfg.data, cfg.train, cfg.model, family, grad_accum, rank, world, read_retry_s(cfg))
@@ -311,9 +314,10 @@ def end_rank(cfg: Config | None, why: str, line: str) -> NoReturn:
     without a teardown (it would wait on ranks blocked in the step's collective)."""
     rank = os.environ.get("RANK", "0")
     if cfg is not None:
-        from training import events
+        from training import events, ownership
 
         events.record(Path(cfg.run.dir), "failure", rank=int(rank), why=why)
+        ownership.release(Path(cfg.run.dir))  # the job ends in order: the next start proceeds at once
     print(f"error: rank {rank}: {line}", file=sys.stderr, flush=True)
     os._exit(EXIT_PEER_LOST)
 
@@ -335,6 +339,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(cfg)
     except ShardUnavailable as e:  # the filesystem failed the read through every retry: resume when it serves
         end_rank(cfg, e.one_line(), e.one_line())
+    except RunOwned as e:  # another job's run: nothing is written there, no event (that job would read it)
+        if local_rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     except UserError as e:
         # every rank raises the same error: one line per node, in each node's log; a RankError is this rank's own
         if local_rank == 0 or isinstance(e, RankError):
@@ -366,7 +374,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         end_rank(cfg, why, f"{why}; the job ends here and resumes from its last checkpoint ({first}){dump}")
     finally:
         from common.process import end_process_group
+        from training import ownership
 
+        ownership.release(Path(cfg.run.dir) if cfg is not None else None)  # rank 0's marks, after its last write
         end_process_group()
 
 

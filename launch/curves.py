@@ -109,6 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from training.ownership import describe_owner
+
     out = args.out or args.run_dir / "loss_curve.png"
     baseline = None
     if args.eval_data is not None:
@@ -119,4 +121,5 @@ def run(args: argparse.Namespace) -> int:
 
         atomic_write_json(out.with_suffix(".json"), {"mlm_majority_token": token, "mlm_majority_accuracy": baseline})
     print(f"wrote {plot(args.run_dir, out, baseline)}")
+    print(f"owner: {describe_owner(args.run_dir)}")  # a live holder is still writing the curve's rows
     return 0
