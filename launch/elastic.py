@@ -475,6 +475,7 @@ def own_and_supervise(cfg: Config, args: argparse.Namespace, cmd: list[str], job
     them, and are refused as it is when a live job of another rendezvous holds the run."""
     run_dir = Path(cfg.run.dir)
     dirs = [run_dir, Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"]
+    job = ownership.job_id(job) or job  # and the scheduler's attempt: a requeued job is another job here
     holding = None
     if "is_host=true" in next(a for a in cmd if a.startswith("--rdzv-conf=")):
         holding = ownership.acquire(

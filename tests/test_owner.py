@@ -199,6 +199,10 @@ def test_a_holder_pauses_is_taken_over_and_fenced_then_a_takeover_and_a_kill_9(b
         with pytest.raises(ownership.RunOwned, match=f"{ckpt} is owned by a live job"):
             ownership.acquire([other, ckpt], stale_s=STALE_S, takeover=False, role="test")
         assert not other.exists() and x.poll() is None
+        # a node of a launch elastic job that does not host its rendezvous, its job's mark not there yet (a
+        # requeued job: the same Slurm id, another attempt): refused as its host is
+        with pytest.raises(ownership.RunOwned, match=f"pid {x.pid}"):
+            ownership.joinable([run_dir, ckpt], STALE_S, "77.1", "10.0.0.1:29400")
         now = ownership.read_mark(run_dir).mark
         assert now is not None and now.token == mark.token  # nothing was taken over
 
@@ -253,3 +257,23 @@ def test_a_holder_pauses_is_taken_over_and_fenced_then_a_takeover_and_a_kill_9(b
     assert start_w["resumed_from"] == f"step{step:08d}"
     assert release["event"] == "owner_release" and not (run_dir / ownership.MARK).exists()
     assert not (ckpt / ownership.MARK).exists()
+
+
+def test_a_requeued_or_retried_job_is_another_job(monkeypatch) -> None:
+    """The job id in a mark carries the scheduler's attempt from the second on: the nodes of a requeued
+    ``launch elastic`` job never join under the mark of the instance before them."""
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT", "AWS_BATCH_JOB_ID", "AWS_BATCH_JOB_ATTEMPT"):
+        monkeypatch.delenv(name, raising=False)
+    assert ownership.job_id("wp-elastic") == "wp-elastic"
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    assert ownership.job_id("wp-elastic") == "77"
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert ownership.job_id() == "77.2"
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.delenv("SLURM_RESTART_COUNT")
+    monkeypatch.setenv("AWS_BATCH_JOB_ID", "a1b2#3")  # a node of a multi-node job
+    monkeypatch.setenv("AWS_BATCH_JOB_ATTEMPT", "1")
+    assert ownership.job_id() == "a1b2"
+    monkeypatch.setenv("AWS_BATCH_JOB_ATTEMPT", "2")
+    assert ownership.job_id() == "a1b2.2"

@@ -106,12 +106,19 @@ def start_ticks(pid: int) -> int | None:
 
 def job_id(elastic: str | None = None) -> str | None:
     """The scheduler's job id where there is one (an AWS Batch node's ``JOB#NODE`` as its job), else
-    ``launch elastic``'s."""
+    ``launch elastic``'s; with the scheduler's attempt (``SLURM_RESTART_COUNT``, ``AWS_BATCH_JOB_ATTEMPT``)
+    as ``ID.N`` from the second on: a requeued or retried job keeps its id but is another job here, and the
+    nodes of ``launch elastic`` that join under their host's mark (``joinable``) must not take the previous
+    instance's for theirs."""
+    base = elastic
     for name in ("SLURM_JOB_ID", "AWS_BATCH_JOB_ID"):
         v = os.environ.get(name, "").split("#")[0]
         if v:
-            return v
-    return elastic
+            base = v
+            break
+    slurm, aws = os.environ.get("SLURM_RESTART_COUNT", "0"), os.environ.get("AWS_BATCH_JOB_ATTEMPT", "1")
+    attempt = slurm if slurm != "0" else aws if aws != "1" else None  # Slurm counts from 0, AWS Batch from 1
+    return f"{base}.{attempt}" if base and attempt else base
 
 
 @dataclass(frozen=True)
