@@ -223,7 +223,13 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_pa
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == steps
     assert summary["samples"] == steps * 16  # the global batch was kept: 4 x 2 x 2 on 2 nodes, 4 x 4 x 1 on 1
-    evs = events.read(run_dir)
+    owner = [e for e in events.read(run_dir) if e["event"].startswith("owner_")]
+    # node 0's launch elastic (it hosts the rendezvous) held the run for the whole job, node 1 ran under it
+    assert [(e["event"], e.get("role")) for e in owner] == [
+        ("owner_acquire", "launch elastic"),
+        ("owner_release", None),
+    ]
+    evs = [e for e in events.read(run_dir) if not e["event"].startswith("owner_")]
     kinds = [e["event"] for e in evs]
     first, alone, grown = starts()
     assert [s["world_size"] for s in (first, alone, grown)] == [2, 1, 2], kinds
