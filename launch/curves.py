@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from common.errors import UserError
+from training.ownership import describe_owner
 
 
 def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
@@ -109,8 +110,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from training.ownership import describe_owner
-
     out = args.out or args.run_dir / "loss_curve.png"
     baseline = None
     if args.eval_data is not None:

@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from common.errors import EXIT_PEER_LOST, UserError
+from common.errors import EXIT_PEER_LOST, SUPERVISED_ENV, UserError
 from common.log import get_logger
 
 log = get_logger("train")
@@ -407,7 +407,7 @@ class Holding:
             self._thread.join(timeout=10)
         if self.owned and self.lost is None and all(_ours(d, self.token) for d in self.dirs):
             if run_dir is not None:
-                from training import events
+                from training import events  # on call: training.events imports this module (its fence)
 
                 events.record(run_dir, "owner_release", token=self.token, pid=os.getpid())
             for d in self.dirs:
@@ -517,7 +517,7 @@ def acquire(
         text = f"{v.directory}: took over the owner's mark of {who} ({how[v.state]})"
         (log.warning if v.state == "forced" else log.info)(text)
     if run_dir is not None:
-        from training import events
+        from training import events  # on call: training.events imports this module (its fence)
 
         mark = marks[dirs[0]]
         fields_: dict[str, Any] = {
@@ -599,8 +599,7 @@ def take(dirs: Sequence[Path], stale_s: float, takeover: bool) -> Holding | None
     the outcome from it. Raises ``RunOwned`` on every rank, with the same line, when a live job holds one; a
     rank under a supervisor whose mark was taken over ends with the fence's line. None: the marks could not be
     written (the run-directory probes that follow say why)."""
-    from common.errors import SUPERVISED_ENV
-    from training import collectives
+    from training import collectives  # on call: it imports torch, which launch elastic's supervisor never needs
 
     dirs = unique_dirs(dirs)
     token = os.environ.get(TOKEN_ENV) or None
