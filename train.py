@@ -374,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         end_rank(cfg, why, f"{why}; the job ends here and resumes from its last checkpoint ({first}){dump}")
     finally:
         from common.process import end_process_group
-        from training import ownership
+        from training import ownership  # on call (start-up time): the events it records import training
 
         ownership.release(Path(cfg.run.dir) if cfg is not None else None)  # rank 0's marks, after its last write
         end_process_group()
