@@ -20,8 +20,8 @@ from typing import Any, NoReturn
 from common.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, SUPERVISED_ENV, USER_ERROR_WAIT_S, RankError, UserError
 from common.log import get_logger
 from data.reads import ShardDamaged, ShardUnavailable
+from training import ownership
 from training.config import Config, gradient_accumulation, load_config, read_retry_s
-from training.ownership import RunOwned
 
 log = get_logger("train")
 
@@ -70,7 +70,7 @@ def prepare(cfg: Config) -> Start | None:
     the trainer with its checkpointer, and the resume (or ``train.init_from``). None: the checkpoint is
     already at ``train.steps``. The caller runs the trainer and closes it (and ends the process group)."""
     from model.registry import family_of, get_spec
-    from training import collectives, ownership
+    from training import collectives
     from training import engine as ds_engine
     from training.build import build_engine, check_run_dir, model_spec, open_data
     from training.checkpoint.resume import check_shared, find_resume
@@ -314,7 +314,7 @@ def end_rank(cfg: Config | None, why: str, line: str) -> NoReturn:
     without a teardown (it would wait on ranks blocked in the step's collective)."""
     rank = os.environ.get("RANK", "0")
     if cfg is not None:
-        from training import events, ownership
+        from training import events
 
         events.record(Path(cfg.run.dir), "failure", rank=int(rank), why=why)
         ownership.release(Path(cfg.run.dir))  # the job ends in order: the next start proceeds at once
@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(cfg)
     except ShardUnavailable as e:  # the filesystem failed the read through every retry: resume when it serves
         end_rank(cfg, e.one_line(), e.one_line())
-    except RunOwned as e:  # another job's run: nothing is written there, no event (that job would read it)
+    except ownership.RunOwned as e:  # another job's run: nothing is written there, no event (that job would read it)
         if local_rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
@@ -374,7 +374,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         end_rank(cfg, why, f"{why}; the job ends here and resumes from its last checkpoint ({first}){dump}")
     finally:
         from common.process import end_process_group
-        from training import ownership  # on call (start-up time): the events it records import training
 
         ownership.release(Path(cfg.run.dir) if cfg is not None else None)  # rank 0's marks, after its last write
         end_process_group()

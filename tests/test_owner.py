@@ -42,21 +42,29 @@ def tree(root: Path) -> list[str]:
 def test_two_jobs_started_together_one_is_refused_and_the_other_runs_as_alone(bert_data, straight_run, tmp_path):
     """Two 2-rank jobs (the straight run's arguments, each on its own MASTER_PORT) on one run directory, started
     within the same second: exactly one trains; the other is refused with one line, exit 2, having written
-    nothing, and the first's losses, events, checkpoints and files are those of the straight run."""
-    run_dir = tmp_path / "run"
+    nothing, and the first's losses, events, checkpoints and files are those of the straight run. The winner
+    waits after taking the run until the other is refused (``ownership.HOLD_ENV``): its 8 steps can take less
+    time than the other's start."""
+    run_dir, hold = tmp_path / "run", tmp_path / "hold"
+    env = {**run_env(), ownership.HOLD_ENV: str(hold)}  # the winner waits there until the other is refused
     done: list[tuple[subprocess.CompletedProcess, float]] = []
 
     def job() -> None:
         t0 = time.monotonic()
-        res = deepspeed(common(bert_data, run_dir))
+        res = deepspeed(common(bert_data, run_dir), env=env)
         done.append((res, time.monotonic() - t0))
 
+    hold.touch()
     jobs = [threading.Thread(target=job) for _ in range(2)]
     for t in jobs:
         t.start()
+    deadline = time.monotonic() + 120
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.1)
+    hold.unlink()
     for t in jobs:
         t.join()
-    (won, _), (lost, lost_s) = sorted(done, key=lambda d: d[0].returncode)
+    (lost, lost_s), (won, _) = done
     assert won.returncode == 0, won.stderr[-3000:]
     assert lost.returncode == 2, lost.stdout[-2000:] + lost.stderr[-3000:]
     print(f"the second job was refused {lost_s:.1f} s after its ranks started")

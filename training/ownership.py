@@ -54,6 +54,9 @@ TOKEN_ENV = "WIKIPRETRAIN_OWNER_TOKEN"
 mark, which its restarts never have to take again."""
 PAUSE_ENV = "WIKIPRETRAIN_OWNER_PAUSE_FILE"
 """Test hook: while the file this names exists, the holder skips its renewals (a long pause, a partition)."""
+HOLD_ENV = "WIKIPRETRAIN_OWNER_HOLD_FILE"
+"""Test hook: a ``train.py`` job that took the marks waits, renewing, while the file this names exists, before
+anything else: two jobs that start together overlap, however fast the one that wins would finish."""
 RENEW_MAX_S = 2.0
 RENEWALS_PER_BOUND = 6
 POLL_S = 0.1
@@ -643,6 +646,9 @@ def _decide(dirs: list[Path], stale_s: float, takeover: bool, token: str | None)
             return "under", token
         role = "train.py rank 0"
         holding = acquire(dirs, stale_s=stale_s, takeover=takeover, role=role, job=job_id(), run_dir=dirs[0])
+        hold = os.environ.get(HOLD_ENV)
+        while hold and os.path.exists(hold):
+            time.sleep(POLL_S)
         return "held", holding.token
     except RunOwned as e:
         return "refused", str(e)
