@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 from common.errors import EXIT_PEER_LOST, EXIT_USER_ERROR, SUPERVISED_ENV, USER_ERROR_WAIT_S, RankError, UserError
 from common.log import get_logger
 from data.reads import ShardDamaged, ShardUnavailable
+from training import ownership
 from training.config import Config, gradient_accumulation, load_config, read_retry_s
 
 log = get_logger("train")
@@ -84,6 +85,8 @@ def prepare(cfg: Config) -> Start | None:
     grad_accum = gradient_accumulation(cfg.train, world)
     run_dir = Path(cfg.run.dir)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    # one live owner: refused here, on every rank, before anything is written in either directory
+    ownership.take([run_dir, ckpt_dir], cfg.run.owner_stale_s, cfg.run.takeover)
     family = family_of(get_spec(cfg.model.name))  # validates the name before any data is read
     check_run_dir(run_dir)
     data = open_data(cfg.data, cfg.train, cfg.model, family, grad_accum, rank, world, read_retry_s(cfg))
@@ -321,6 +324,7 @@ def end_rank(cfg: Config | None, why: str, line: str) -> NoReturn:
         from training import events  # on call: beside train.py's other imports on call (to the top in #52 item 1)
 
         events.record(Path(cfg.run.dir), "failure", rank=int(rank), why=why)
+        ownership.release(Path(cfg.run.dir))  # the job ends in order: the next start proceeds at once
     print(f"error: rank {rank}: {line}", file=sys.stderr, flush=True)
     os._exit(EXIT_PEER_LOST)
 
@@ -342,6 +346,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(cfg)
     except ShardUnavailable as e:  # the filesystem failed the read through every retry: resume when it serves
         end_rank(cfg, e.one_line(), e.one_line())
+    except ownership.RunOwned as e:  # another job's run: nothing is written there, no event (that job would read it)
+        if local_rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     except UserError as e:
         # every rank raises the same error: one line per node, in each node's log; a RankError is this rank's own
         if local_rank == 0 or isinstance(e, RankError):
@@ -375,6 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         from common.process import end_process_group  # on call: as in end_rank
 
+        ownership.release(Path(cfg.run.dir) if cfg is not None else None)  # rank 0's marks, after its last write
         end_process_group()
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from common.atomic import atomic_write_json
 from common.errors import UserError
 from data.formats import BERT
+from training.ownership import describe_owner
 
 
 def read_metrics(run_dir: Path) -> tuple[dict[int, dict], dict[int, dict]]:
@@ -119,4 +120,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"MLM baseline: always predicting token {token} scores {baseline:.4f} on the held-out samples")
         atomic_write_json(out.with_suffix(".json"), {"mlm_majority_token": token, "mlm_majority_accuracy": baseline})
     print(f"wrote {plot(args.run_dir, out, baseline)}")
+    print(f"owner: {describe_owner(args.run_dir)}")  # a live holder is still writing the curve's rows
     return 0

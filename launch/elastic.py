@@ -52,7 +52,7 @@ import psutil
 
 from common.errors import EXIT_USER_ERROR, SUPERVISED_ENV, UserError
 from common.packages import python_path
-from training import events
+from training import events, ownership
 from training.config import Config, gradient_accumulation, load_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -288,13 +288,24 @@ def _kill_tree(pid: int) -> None:
                 p.kill()
 
 
-def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, grace_s: float = 120.0) -> int:
+def supervise(
+    cmd: list[str],
+    run_dir: Path,
+    max_restarts: int,
+    endpoint: str,
+    grace_s: float = 120.0,
+    holding: ownership.Holding | None = None,
+) -> int:
     """Run the agent; end it at once on bad input; map its outcome to our exit codes.
 
     A signal to this process (the scheduler's preemption: Slurm signals every process of the step, AWS Batch
     the container's first one) is passed to the agent once, which stops its ranks (they save) without a
     restart, and the job ends with 3. A SIGTERM that reaches ranks alone comes from their agent (stopping them
     for a restart, when nodes join) or is a failure of that rank: the agent restarts the job.
+
+    ``holding``: this job's owner's marks (``training.ownership``), held here for the whole job: the agent and
+    its ranks get the token and run under them, its restarts included. A mark taken over by another job ends
+    the agent and its ranks at once, with one line and exit 4.
     """
     path = run_dir / events.EVENTS
     offset0 = offset = path.stat().st_size if path.exists() else 0
@@ -311,6 +322,8 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, g
     # relative paths (run.dir, data.*, --config) name the same files for the ranks as for this process, which
     # follows run.dir's events. This repository's packages come first on their path.
     env["PYTHONPATH"] = python_path(str(REPO))
+    if holding is not None:
+        env[ownership.TOKEN_ENV] = holding.token
     agent = subprocess.Popen(cmd, env=env, start_new_session=True)  # signals come through us, once
     seen: dict[int, psutil.Process] = {}
 
@@ -327,6 +340,11 @@ def supervise(cmd: list[str], run_dir: Path, max_restarts: int, endpoint: str, g
     try:
         while agent.poll() is None:
             time.sleep(POLL_S)
+            if holding is not None and holding.lost:  # the renewal thread found another job's mark
+                _kill_tree(agent.pid)
+                agent.wait()
+                print(f"error: launch elastic: {holding.lost}", file=sys.stderr, flush=True)
+                return ownership.EXIT_FENCED
             if time.monotonic() - last_scan > 1.0:  # the ranks, to wait for if the agent is cut short
                 last_scan = time.monotonic()
                 with contextlib.suppress(psutil.Error):
@@ -444,11 +462,41 @@ def run(args: argparse.Namespace) -> int:
     config, overrides = split_train_args(args.passthrough)
     cfg = load_config(config, overrides)
     check_world_sizes(cfg, nmin, nmax, args.procs_per_node)
-    cmd = agent_command(args, nmin, nmax, args.job_id or default_job_id(), Path(cfg.run.dir))
+    job = args.job_id or default_job_id()
+    run_dir = Path(cfg.run.dir)
+    cmd = agent_command(args, nmin, nmax, job, run_dir)
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    return supervise(cmd, Path(cfg.run.dir), args.max_restarts, args.rendezvous)
+    return own_and_supervise(cfg, args, cmd, job)
+
+
+def own_and_supervise(cfg: Config, args: argparse.Namespace, cmd: list[str], job: str) -> int:
+    """Take the run's owner's marks before the agent starts, hold them for the whole job (``supervise``) and
+    release them at its end. The rendezvous host's ``launch elastic`` takes them; the other nodes' join under
+    them, and are refused as it is when a live job of another rendezvous holds the run."""
+    run_dir = Path(cfg.run.dir)
+    dirs = [run_dir, Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"]
+    job = ownership.job_id(job) or job  # and the scheduler's attempt: a requeued job is another job here
+    holding = None
+    if "is_host=true" in next(a for a in cmd if a.startswith("--rdzv-conf=")):
+        holding = ownership.acquire(
+            dirs,
+            stale_s=cfg.run.owner_stale_s,
+            takeover=cfg.run.takeover,
+            role="launch elastic",
+            job=job,
+            rendezvous=args.rendezvous,
+            run_dir=run_dir,
+        )
+        holding.on_lost = lambda line: None  # supervise() ends the agent with the line
+    else:
+        ownership.joinable(dirs, cfg.run.owner_stale_s, job, args.rendezvous)
+    try:
+        return supervise(cmd, run_dir, args.max_restarts, args.rendezvous, holding=holding)
+    finally:
+        if holding is not None:
+            holding.release(run_dir)
 
 
 if __name__ == "__main__":  # the agent process that supervise() starts (agent_command)

@@ -20,6 +20,9 @@ time = recipe FLOPs / (that x its accelerators); times its accelerators the acce
 and the profile's ``price_per_instance_hour`` the cost. Where the recipe's model or sequence length differs
 from the run's, the projection assumes the run's MFU carries over, and says so (``*``). ``--device NAME
 --mfu X`` projects the recipe at an assumed MFU of that device's peak (``training.devices.peak_flops``).
+
+Each run's owner (``training.ownership.describe_owner``) closes the report and is the ``owner`` column: the job
+that holds its directory now, ``none``, or ``stale since T`` (a holder that is gone or stopped renewing).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from common.errors import UserError
 from common.log import get_logger
 from launch.profiles import load_profile
 from training.metrics import RunSummary, scaling_efficiency
+from training.ownership import describe_owner
 
 log = get_logger("launch.report")
 
@@ -320,6 +324,7 @@ def build_rows(
                 "wall_time_s": wall,
                 "accelerator_hours": r.devices * float(wall) / 3600 if _positive_number(wall) else None,
                 **_goodput_cells(s.goodput),
+                "owner": describe_owner(r.dir),
             }
             if recipe is not None:
                 achieved = r.achieved_flops_per_device
@@ -348,6 +353,12 @@ def _goodput_cells(g: dict[str, Any] | None) -> dict[str, Any]:
         "redone_s": round(sum(float(f.get("redone_s", 0)) for f in failures), 3) if g else None,
         "checkpoint_stall_s": g.get("checkpoint_stall_s"),
     }
+
+
+def owner_markdown(rows: list[dict[str, Any]]) -> str:
+    """Who owns each run now (``training.ownership``): a live holder, ``none``, or ``stale since T``."""
+    lines = [f"- `{row['run']}`: {row['owner']}\n" for row in rows if row.get("owner")]
+    return "Owner (the job that holds each run directory now):\n\n" + "".join(lines) + "\n" if lines else ""
 
 
 def goodput_markdown(rows: list[dict[str, Any]]) -> str:
@@ -438,6 +449,9 @@ def markdown(rows: list[dict[str, Any]], recipe: Recipe | None = None, price: fl
     good = goodput_markdown(rows)
     if good:
         out.write(("\n" if out.tell() else "") + good)
+    owners = owner_markdown(rows)
+    if owners:
+        out.write(("\n" if out.tell() else "") + owners)
     return out.getvalue()
 
 

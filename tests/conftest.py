@@ -166,6 +166,10 @@ class _Popened:
     def _read(self) -> None:
         self.out = self.proc.communicate()
 
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
     def poll(self) -> int | None:
         return self.proc.poll()
 
@@ -452,6 +456,13 @@ def run_python(
     finally:
         shutil.rmtree(files, ignore_errors=True)
     return subprocess.CompletedProcess(args, proc.poll() or 0, out, err)
+
+
+def start_train(args: list[str], files: Path, env: dict[str, str] | None = None) -> _Popened | _Forked:
+    """``train.py ARGS`` as one process (world size 1) left running: forked by the prefork server where its
+    environment allows, else a fresh interpreter; its output in ``files`` (a path less its suffix) or read as
+    it comes. The handle has ``pid``, ``poll()``, ``signal(sig)`` and ``output()``."""
+    return _start(["train.py", *args], env or run_env(), files)
 
 
 def data_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:

@@ -31,6 +31,14 @@ class Node:
         return ["ip", "netns", "exec", self.ns, *argv]
 
 
+def own_host(hostname: str, argv: list[str]) -> list[str]:
+    """``argv`` as the only process tree of a host of its own: its own host name (a UTS namespace) and its own
+    PID namespace (with its own /proc), so that it shares neither host name nor pids with the other node,
+    as a real second node would not (the boot id stays this kernel's)."""
+    script = 'hostname "$0" && exec "$@"'
+    return ["unshare", "--uts", "--pid", "--fork", "--mount-proc", "sh", "-c", script, hostname, *argv]
+
+
 def unavailable_reason() -> str | None:
     """Why namespaces cannot be created here, or None when they can (tried for real, then removed)."""
     if shutil.which("ip") is None:

@@ -332,7 +332,8 @@ def test_bad_input_is_not_retried(bert_data, tmp_path):
     assert "Traceback" not in out, out[-3000:]  # the agent is ended without its own report
     line = f"error: data.train={tmp_path / 'nope'}: directory does not exist"
     assert r.stderr.strip().splitlines() == [line], r.stderr[-3000:]
-    assert [e["event"] for e in events.read(tmp_path / "run")][0] == "user_error"
+    kinds = [e["event"] for e in events.read(tmp_path / "run")]  # launch elastic held the run throughout
+    assert kinds[:2] == ["owner_acquire", "user_error"] and kinds[-1] == "owner_release", kinds
 
 
 def test_youngs_interval() -> None:

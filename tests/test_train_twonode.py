@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import FP32, REPO, run_env, run_python, smoke
-from tests.netns import SUBNET, kill_namespace_processes, two_nodes, unavailable_reason
+from tests.netns import SUBNET, kill_namespace_processes, own_host, two_nodes, unavailable_reason
 from tests.test_train import last_logged
 
 pytestmark = pytest.mark.slow
@@ -223,7 +223,13 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_pa
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == steps
     assert summary["samples"] == steps * 16  # the global batch was kept: 4 x 2 x 2 on 2 nodes, 4 x 4 x 1 on 1
-    evs = events.read(run_dir)
+    owner = [e for e in events.read(run_dir) if e["event"].startswith("owner_")]
+    # node 0's launch elastic (it hosts the rendezvous) held the run for the whole job, node 1 ran under it
+    assert [(e["event"], e.get("role")) for e in owner] == [
+        ("owner_acquire", "launch elastic"),
+        ("owner_release", None),
+    ]
+    evs = [e for e in events.read(run_dir) if not e["event"].startswith("owner_")]
     kinds = [e["event"] for e in evs]
     first, alone, grown = starts()
     assert [s["world_size"] for s in (first, alone, grown)] == [2, 1, 2], kinds
@@ -253,3 +259,61 @@ def test_elastic_job_loses_a_node_goes_on_alone_and_grows_back(bert_data, tmp_pa
     assert r.returncode == 0, r.stderr
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith(f"- `{run_dir}`: goodput"))
     assert f"goodput {g['goodput'] * 100:.1f}% over 3 start(s) at world size(s) 2 1 2" in line, line
+
+
+def start_alone(node, args: list[str], log: Path, host: str | None = None) -> subprocess.Popen:
+    """A one-process train.py job on ``node``; ``host``: as a host of its own (``tests.netns.own_host``)."""
+    env = {**run_env(), "GLOO_SOCKET_IFNAME": "lo"}  # its process group is its own: on the node's loopback
+    argv = [sys.executable, "train.py", *args]
+    return subprocess.Popen(
+        node.cmd(*(own_host(host, argv) if host else argv)),
+        cwd=REPO,
+        env=env,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+    )
+
+
+def test_a_run_held_on_another_node_is_refused_then_taken_over_once_stale(bert_data, tmp_path):
+    """Node 1 is a host of its own (its own host name and PID namespace) and holds a run on the shared
+    directory: a job on node 0 is refused while node 1's renews its mark (its pid means nothing on node 0).
+    Node 1 dies without a word: node 0's next job waits out the staleness bound (``run.owner_stale_s=6``),
+    takes the run over and resumes from ``latest``."""
+    from training import events, ownership
+
+    run_dir, stale = tmp_path / "run", 6
+    args = train_args(bert_data, run_dir, "train.steps=100000", "train.global_batch=4", "checkpoint.every=2", FP32) + [
+        f"run.owner_stale_s={stale}"
+    ]
+    logs = [tmp_path / f"{name}.log" for name in ("holder", "refused", "after")]
+    with two_nodes("o") as (n0, n1):
+        holder = start_alone(n1, args, logs[0], host="node1")
+        deadline = time.monotonic() + 240
+        while not (last_logged(run_dir) >= 2 and (run_dir / "checkpoints" / "latest").exists()):
+            assert time.monotonic() < deadline and holder.poll() is None, logs[0].read_text()[-3000:]
+            time.sleep(0.5)
+        mark = ownership.read_mark(run_dir).mark
+        assert mark is not None and mark.host == "node1" and mark.pid_ns != ownership.pid_namespace()
+
+        t0 = time.monotonic()
+        rc = wait([start_alone(n0, args, logs[1])], 120)[0]
+        refused_s = time.monotonic() - t0
+        text = logs[1].read_text()
+        assert rc == 2, text[-3000:]
+        errors = [ln for ln in text.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and f"{run_dir} is owned by a live job: host node1, pid {mark.pid}" in errors[0]
+        print(f"node 0's job was refused {refused_s:.1f} s after it started")
+        assert holder.poll() is None  # untouched
+
+        assert kill_namespace_processes(n1)
+        killed = time.time()
+        wait([holder], 30)
+        step = int((run_dir / "checkpoints" / "latest").read_text().strip().removeprefix("step"))
+        rc = wait([start_alone(n0, [*args, f"train.stop_at_step={step + 1}"], logs[2])], 240)[0]
+    text = logs[2].read_text()
+    assert rc == 3, text[-3000:]
+    take = next(e for e in events.read(run_dir) if e["event"] == "owner_takeover")
+    assert {(p["reason"], p["host"]) for p in take["previous"]} == {("stale", "node1")}, take
+    assert stale <= take["waited_s"] < stale + 30, take
+    print(f"node 0's next job took the run over {take['time'] - killed:.1f} s after node 1 was killed")
+    assert f"resumed from {run_dir / 'checkpoints' / f'step{step:08d}'}" in text

@@ -31,6 +31,15 @@ class RunSection:
     """Run directory: metrics.jsonl, summary.json, resolved config, checkpoints (unless checkpoint.dir)."""
     threads_per_rank: int = 0
     """torch intra-op threads per rank; 0 = leave torch's default. Recorded: part of the fingerprint."""
+    owner_stale_s: float = 60.0
+    """A run has one live owner (``training.ownership``): a job whose owner's mark in ``run.dir`` or
+    ``checkpoint.dir`` is not renewed for this long (its holder renews it every ``min(2, this / 6)`` s) is
+    taken to be gone, and the next start takes it over after watching that long. A holder on this host and
+    boot that has ended is known at once."""
+    takeover: bool = False
+    """Take the run over from a live-looking owner at once (for an operator who knows that job is dead): the
+    line names whose mark was broken, and ``events.jsonl`` records it (``owner_takeover``, reason
+    ``forced``). That job stops before its next write, with exit 4."""
 
 
 @dataclass
@@ -482,6 +491,8 @@ def validate(cfg: Config) -> None:
     for key, v in positive.items():
         if v <= 0:
             raise UserError(f"{key} must be positive, got {v}")
+    if cfg.run.owner_stale_s <= 0:
+        raise UserError(f"run.owner_stale_s must be positive, got {cfg.run.owner_stale_s}")
     if cfg.optimizer.lr <= 0:
         raise UserError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}")
     if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):

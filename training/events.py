@@ -18,7 +18,11 @@ Kinds (each line also has ``time``, seconds since the epoch, ``rank`` and ``atte
 - ``preempted``: ``launch elastic`` itself was signalled (``signal``, ``host``): the job ends with 3 for the
   scheduler to requeue, and is not restarted in place;
 - ``user_error``: the job's input is wrong (exit 2; restarting cannot help): ``message``;
-- ``finish``: the run reached ``train.steps``: ``step``, ``samples``, ``tokens``, ``flops``.
+- ``finish``: the run reached ``train.steps``: ``step``, ``samples``, ``tokens``, ``flops``;
+- ``owner_acquire``, ``owner_takeover``, ``owner_release``: a job took the run's owner's mark (``token``,
+  ``host``, ``pid``, ``role``, ``job``, ``dirs``, ``waited_s``), took it over from a holder that was gone,
+  stale or broken by ``run.takeover`` (also ``previous``: each mark replaced, its ``reason`` and holder), or
+  released it (``training.ownership``).
 
 Rank 0 writes the run's events; ``failure``, ``sigterm`` and ``launcher_lost`` come from the rank that saw
 them, because rank 0 may be the one that is gone, and ``preempted`` from each node's ``launch elastic``.
@@ -34,11 +38,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from training import ownership
+
 EVENTS = "events.jsonl"
 
 
 def record(run_dir: Path, kind: str, **fields: Any) -> None:
-    """Append one event; never raises (the run's own error is the one to report)."""
+    """Append one event; never raises (the run's own error is the one to report). A process whose run was
+    taken over by another job writes nothing (``training.ownership.fence``: a rank ends there)."""
+    if not ownership.fence():
+        return
     line = json.dumps({"event": kind, "time": time.time(), **fields}) + "\n"
     try:
         run_dir.mkdir(parents=True, exist_ok=True)

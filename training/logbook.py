@@ -10,6 +10,7 @@ from typing import Any
 
 from common.log import get_logger
 from model.family import Family
+from training import ownership
 
 log = get_logger("train")
 
@@ -46,6 +47,7 @@ class Logbook:
     def write(self, record: dict[str, Any]) -> None:
         if self.rank != 0:
             return
+        ownership.fence()  # a run taken over by another job: this rank ends here, the row unwritten
         record = {"attempt": self.attempt, **record}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")

@@ -91,6 +91,8 @@ SCALE_DEPENDENT_KEYS = frozenset(
         "gradient_accumulation_steps",
         "run.dir",
         "run.name",
+        "run.owner_stale_s",
+        "run.takeover",
         "checkpoint.dir",
         "checkpoint.resume",
         "logging.wandb.name",
@@ -290,8 +292,11 @@ def goodput(events: list[dict[str, Any]], end_time: float | None = None) -> dict
       restart (from the attempt's last event to the next attempt's ``start``: detection, rendezvous, process
       start, checkpoint load).
 
+    The owner's events (``owner_*``: a job taking or releasing the run) are not the run's time and are left out.
+
     None when the events hold no start.
     """
+    events = [ev for ev in events if not str(ev["event"]).startswith("owner_")]
     starts = [i for i, ev in enumerate(events) if ev["event"] == "start"]
     if not starts:
         return None

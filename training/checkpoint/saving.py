@@ -30,7 +30,7 @@ import torch
 
 from common.atomic import atomic_path, atomic_write_json, atomic_write_text
 from common.errors import UserError
-from training import collectives
+from training import collectives, ownership
 from training.checkpoint.storage import (
     COMPLETE,
     FORMAT,
@@ -86,6 +86,7 @@ def _start_save(engine, ckpt_dir: Path, tag: str, rank: int) -> dict[str, Any]:
     """What both kinds of save do first: rank 0 removes tags that never completed (a crash, a full disk,
     a background save that failed: their space first); returns the universal-checkpoint info."""
     if rank == 0:
+        ownership.fence()  # another job's run now: its save in flight is not ours to remove
         for partial in incomplete_tags(ckpt_dir):
             if partial != tag:
                 shutil.rmtree(ckpt_dir / partial, ignore_errors=True)
@@ -111,6 +112,7 @@ def _try_commit(ckpt_dir: Path, tag: str, keep: int, rank: int, on_commit: OnCom
     """Rank 0 commits; the error (one line) if it could not, None otherwise and on other ranks."""
     if rank != 0:
         return None
+    ownership.fence()  # a run taken over by another job: rank 0 ends here, before COMPLETE and latest
     try:
         _commit(ckpt_dir, tag)
     except OSError as e:
