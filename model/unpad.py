@@ -336,8 +336,9 @@ WHOLE_LAYER_KERNELS = ("varlen", "padded")
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype the layers' matmuls produce from ``x``: autocast's where it is on for ``x``'s device."""
-    kind = x.device.type
-    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    kind = x.device.type  # a device autocast does not know (meta: the byte counts) has no autocast to ask
+    on = torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    return torch.get_autocast_dtype(kind) if on else x.dtype
 
 
 def encoder_kernel(bert: Any, asked: str | None) -> AttentionKernel:
