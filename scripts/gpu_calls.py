@@ -248,7 +248,11 @@ class Call:
         limit = max(1.0, limit)
         self.say(f"== {step.name} (expected {secs:.0f} s, cut at {limit:.0f} s)")
         t0 = time.monotonic()
-        ok = getattr(self, f"do_{step.kind}")(step, limit)
+        try:
+            ok = getattr(self, f"do_{step.kind}")(step, limit)
+        except (OSError, subprocess.SubprocessError, ValueError) as e:  # one step's, never the call's end
+            self.say(f"   {type(e).__name__}: {e}")
+            ok = False
         self.say(f"== {step.name}: {'done' if ok else 'FAILED'} in {time.monotonic() - t0:.0f} s")
         return ok
 
@@ -317,7 +321,9 @@ class Call:
         lines = ["\n".join(found) if res.returncode == 0 else f"versions: exit {res.returncode}: {res.stderr[-500:]}"]
         lines.append(f"{MEMORY_CAP_ENV}={self.env.get(MEMORY_CAP_ENV, '')}")
         smi = shutil.which("nvidia-smi")
-        lines.append(subprocess.run([smi], capture_output=True, text=True).stdout if smi else "no nvidia-smi here")
+        lines.append(
+            subprocess.run([smi], capture_output=True, text=True, timeout=30).stdout if smi else "no nvidia-smi"
+        )
         (self.out / "versions.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
         self.say("   " + lines[0].replace("\n", "; "))
         return res.returncode == 0

@@ -39,6 +39,17 @@ def gpu_sh(*args: str, timeout: float = 900, **env: str) -> subprocess.Completed
     )
 
 
+def cpu_costs(path: Path, **seconds: float) -> Path:
+    """The cost table with every step given 300 s (``seconds``: these steps, by entry, given these instead), as
+    ``COSTS`` for a call on the CPU: the table's figures are the GPU's, and each step is cut at twice its figure,
+    which a loaded 2-core machine can pass on steps the GPU's 16 cores do in seconds."""
+    table = json.loads(COSTS.read_text())
+    for key, entry in table["entries"].items():
+        entry["seconds"] = seconds.get(key, 300)
+    path.write_text(json.dumps(table))
+    return path
+
+
 def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
 
@@ -70,7 +81,8 @@ def call1(tmp_path_factory) -> dict[str, Path | subprocess.CompletedProcess]:
     root = tmp_path_factory.mktemp("call1")
     bundle, work, out = root / "bundle", root / "work", root / "out"
     (bundle / "sample").mkdir(parents=True)  # --cpu installs nothing: the checkout and its venv are the project
-    res = gpu_sh("--cpu", "call1", str(bundle), OUT=str(out), WORK=str(work), CALL_S="3600")
+    costs = cpu_costs(root / "costs.json")
+    res = gpu_sh("--cpu", "call1", str(bundle), OUT=str(out), WORK=str(work), CALL_S="3600", COSTS=str(costs))
     return {"bundle": bundle, "work": work, "out": out, "res": res}
 
 
@@ -109,12 +121,8 @@ def test_a_deadline_between_two_runs_keeps_the_first_record_and_skips_the_rest(c
     """A cost table whose second run cannot fit before the deadline: the first run (given 8 s, so cut at its
     own 1 s limit: a ``timeout`` record) keeps its record, the rest are skipped, each with its line and a
     ``skipped`` record. The shards of the module's call are reused (already done)."""
-    table = json.loads(COSTS.read_text())
-    for key in ("opcheck", "bert-large-p1 peer", "neox-1.3b ours", "neox-1.3b peer"):
-        table["entries"][key]["seconds"] = 10**6
-    table["entries"]["bert-large-p1 ours"]["seconds"] = 8
-    costs = tmp_path / "costs.json"
-    costs.write_text(json.dumps(table))
+    never = {key: 10**6 for key in ("opcheck", "bert-large-p1 peer", "neox-1.3b ours", "neox-1.3b peer")}
+    costs = cpu_costs(tmp_path / "costs.json", **never, **{"bert-large-p1 ours": 8})
     out = tmp_path / "out"
     env = {"OUT": str(out), "WORK": str(call1["work"]), "CALL_S": "3600", "COSTS": str(costs)}
     res = gpu_sh("--cpu", "call1", str(call1["bundle"]), timeout=300, **env)
