@@ -126,8 +126,9 @@ def assemble(cfg: Config, engine, data, spec, family, grad_accum: int, ckpt_dir:
     from model.flops import WorkCounter
     from training import collectives
     from training.build import run_identity, seed_everything
-    from training.checkpoint.checkpointer import Checkpointer, EventLog
+    from training.checkpoint.checkpointer import Checkpointer
     from training.clock import Clock
+    from training.events import EventLog
     from training.logbook import Logbook
     from training.optim.factory import attach_zero
     from training.trainer import Trainer, next_attempt

@@ -31,16 +31,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.errors import EXIT_PREEMPTED
 from common.log import get_logger
 from model.compile import compile_stats
 from model.family import Family
 from model.flops import NO_WORK, Work, WorkCounter
 from training import collectives, events
-from training.checkpoint.checkpointer import Checkpointer, EventLog
+from training.checkpoint.checkpointer import Checkpointer
 from training.clock import Clock, peak_memory_bytes, synchronize
 from training.config import TrainSection
 from training.devices import out_of_memory, to_device
 from training.evaluate import evaluate
+from training.events import EventLog
 from training.logbook import Logbook
 from training.metrics import flops_per_sec_per_device, mfu, throughput
 from training.watch import DataWatchdog, StopRequest
@@ -49,8 +51,6 @@ if TYPE_CHECKING:
     from model.unpad import AttentionKernel
 
 log = get_logger("train")
-
-EXIT_PREEMPTED = 3  # SIGTERM or train.stop_at_step: the current step finished, a checkpoint was saved
 
 
 @dataclass

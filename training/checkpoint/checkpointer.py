@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from training.checkpoint.resume import ResumePoint, RunIdentity, check_compatibl
 from training.checkpoint.storage import latest_complete, load, read_client_state, resolve, to_universal
 from training.clock import Clock
 from training.config import CheckpointSection
+from training.events import EventLog
 from training.optim.schedules import rates_at_current_step
 from training.watch import StopRequest
 
@@ -52,15 +52,6 @@ def young_interval(save_s: float, step_s: float, job_mtbf_s: float) -> dict[str,
     interval_s = math.sqrt(2.0 * max(save_s, 1e-6) * job_mtbf_s)
     steps = max(1, int(round(interval_s / max(step_s, 1e-9))))
     return {"interval_s": interval_s, "steps": steps, "expected_loss_s": steps * step_s / 2.0}
-
-
-@dataclass
-class EventLog:
-    """Where the checkpoint events of this start go (rank 0 writes them)."""
-
-    run_dir: Path
-    attempt: int
-    nodes: int = 1
 
 
 class Checkpointer:
