@@ -21,12 +21,9 @@ in [0, 1].
 from __future__ import annotations
 
 import functools
-import json
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import astuple, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -446,22 +443,6 @@ class Trainer:
             if close is not None:
                 close()
         self.logbook.close()
-
-
-def next_attempt(run_dir: Path, rank: int) -> int:
-    """This start's attempt number, counted from the run's first start (RUN_DIR/attempts.jsonl, rank 0).
-
-    Every row of metrics.jsonl carries it, so the steps a restart re-does are visible and readers can take the
-    latest attempt's row for each step.
-    """
-    number = 0
-    if rank == 0:
-        path = run_dir / "attempts.jsonl"
-        number = 1 + (len(path.read_text().splitlines()) if path.exists() else 0)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"attempt": number, "time": time.time(), "host": socket.gethostname()}) + "\n")
-    return int(collectives.broadcast_object(number))
 
 
 def exit_code(perf: dict[str, Any]) -> int:
