@@ -31,16 +31,17 @@ from model.flops import WorkCounter, training_flops_per_token
 from model.registry import ModelSpec, family_of, get_spec
 from training import collectives, devices, events, ownership
 from training import engine as ds_engine
-from training.build import build_engine, check_run_dir, model_spec, open_data, run_identity, seed_everything
+from training.build import build_engine, check_run_dir, model_spec, open_data, run_identity
 from training.checkpoint.checkpointer import Checkpointer
 from training.checkpoint.replicas import write_replica_digest
-from training.checkpoint.resume import ResumePoint, check_shared, find_resume
+from training.checkpoint.resume import ResumePoint
 from training.checkpoint.safeload import restrict
 from training.clock import Clock, peak_memory_bytes, process_age_s
 from training.config import Config, DataSection, ModelSection, gradient_accumulation, read_retry_s
 from training.logbook import Logbook
 from training.metrics import RunFacts, summarize
 from training.optim.factory import attach_zero
+from training.state import TrainState
 from training.trainer import Trainer, exit_code
 from training.watch import DataWatchdog
 
@@ -145,60 +146,44 @@ def prepare(cfg: Config) -> Start | None:
     ownership.take([run_dir, ckpt_dir], cfg.run.owner_stale_s, cfg.run.takeover)
     static = static_plan(cfg.model, cfg.data)  # validates the name before any data is read
     check_run_dir(run_dir)
-    data = open_data(cfg.data, cfg.train, static, grad_accum, rank, world, read_retry_s(cfg))
-    spec = model_spec(cfg.model, cfg.data, data.attrs)
-    check_shared(ckpt_dir)
-    point = find_resume(
-        cfg.checkpoint,
-        ckpt_dir,
-        world=world,
-        global_batch=cfg.train.global_batch,
-        steps=cfg.train.steps,
-        optimizer=cfg.optimizer.name,
+    state = TrainState(seed=cfg.train.seed, rank=rank)  # the trainer's and the checkpointer's
+    clock = Clock(cfg.logging.warmup_steps)  # the run's time: the trainer's steps, the checkpointer's saves
+    checkpointer = Checkpointer(
+        cfg.checkpoint, ckpt_dir, state, clock=clock, steps=cfg.train.steps, after_load=[attach_zero]
     )
+    point = checkpointer.plan(world=world, global_batch=cfg.train.global_batch, optimizer=cfg.optimizer.name)
     init_from = Path(cfg.train.init_from) if cfg.train.init_from and point is None else None
     plan = RunPlan(static, RunPart(rank, world, grad_accum, run_dir, ckpt_dir, point, init_from))
     if point is not None and point.saved["step"] == cfg.train.steps:
         log.info(f"{point.ckpt_dir / point.tag} is already at train.steps={cfg.train.steps}: nothing to train")
         return None
+    data = open_data(cfg.data, cfg.train, static, grad_accum, rank, world, read_retry_s(cfg))
+    state.attach(data.loader)
+    spec = model_spec(cfg.model, cfg.data, data.attrs)
     ds_config = ds_engine.deepspeed_config(cfg, grad_accum, str(run_dir))
     ds_config["checkpoint"]["load_universal"] = bool(point and point.universal)
     engine = build_engine(cfg.model, cfg.optimizer, cfg.schedule, cfg.train, spec, static, ds_config, rank)
-    trainer, facts = assemble(cfg, plan, engine, data, spec)
+    resolved = cfg.to_dict()
+    identity = run_identity(spec, data, world, cfg.train, cfg.optimizer, resolved)
+    trainer, facts = assemble(cfg, plan, engine, data, spec, checkpointer)
     try:
-        if point is not None:
-            trainer.checkpointer.restore(point)
-            trainer.load_client_state(point.saved)
-        elif init_from is not None:
-            trainer.checkpointer.initialise_from(init_from)
+        checkpointer.load(engine, identity, trainer.events_to, init_from)  # the resume, or init_from's weights
     except BaseException:
         trainer.close()
         raise
     return Start(trainer, facts, ds_config, plan)
 
 
-def assemble(cfg: Config, plan: RunPlan, engine, data, spec):
-    """The trainer of this start, with its checkpointer, logbook and data watchdog, and the run's facts."""
+def assemble(cfg: Config, plan: RunPlan, engine, data, spec, checkpointer: Checkpointer):
+    """The trainer of this start, with its logbook and data watchdog, and the run's facts."""
     static, part = plan.static, plan.run
     rank, run_dir = part.rank, part.run_dir
-    resolved = cfg.to_dict()
     events_to = events.EventLog(run_dir, next_attempt(run_dir, rank), node_count())
-    clock = Clock(cfg.logging.warmup_steps)  # the run's time: the trainer's steps, the checkpointer's saves
-    checkpointer = Checkpointer(
-        cfg.checkpoint,
-        part.ckpt_dir,
-        engine,
-        run_identity(spec, data, part.world, cfg.train, cfg.optimizer, resolved),
-        lambda step: seed_everything(cfg.train.seed + 1000 * rank + step),
-        clock=clock,
-        steps=cfg.train.steps,
-        events_to=events_to,
-        after_load=[attach_zero],
-    )
     facts = run_facts(cfg, plan, spec, engine, events_to)
     trainer = Trainer(
         engine,
         data.loader,
+        state=checkpointer.state,
         eval_set=data.eval_set,
         train=cfg.train,
         checkpointer=checkpointer,
@@ -208,14 +193,14 @@ def assemble(cfg: Config, plan: RunPlan, engine, data, spec):
             events_to.attempt,
             cfg.train.steps,
             engine.monitor,
-            wandb=functools.partial(start_wandb, cfg, run_dir, resolved) if cfg.logging.wandb.project else None,
+            wandb=functools.partial(start_wandb, cfg, run_dir, facts.config) if cfg.logging.wandb.project else None,
             family=static.family,
         ),
         events_to=events_to,
         grad_accum=part.grad_accum,
         count=WorkCounter(spec, cfg.data.seq_len, static.max_pred, unpadded=static.unpadded),
         peak_flops=facts.peak_flops_per_device,
-        clock=clock,
+        clock=checkpointer.clock,
         log_every=cfg.logging.every,
         family=static.family,
         data_watchdog=DataWatchdog(cfg.deepspeed.timeout_s, cfg.data.num_workers, run_dir),
