@@ -54,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
             from training.engine import check_setup, deepspeed_config  # on call (start-up time), as start.run
+            from training.start import static_plan  # on call (start-up time), as start.run
 
+            static_plan(cfg.model, cfg.data)  # what a run refuses before it starts: an unknown model, ...
             check_setup(cfg)
             accum = gradient_accumulation(cfg.train, int(os.environ.get("WORLD_SIZE", "1")))
             ds = deepspeed_config(cfg, accum, cfg.run.dir)

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from common.errors import UserError
 from common.log import get_logger
@@ -25,12 +23,13 @@ from data.tokenizer import vocab_sha256
 from model.build import build_model
 from model.compile import compiled_modules
 from model.compile import wanted as compile_wanted
-from model.registry import get_spec, spec_to_dict
+from model.registry import spec_to_dict, with_fields
 from training import collectives
 from training.checkpoint.resume import RunIdentity
 from training.config import DataSection, ModelSection, OptimizerSection, ScheduleSection, TrainSection
 from training.optim.factory import attach_zero, build_optimizer, param_groups
 from training.optim.schedules import SCHEDULES, build_scheduler
+from training.state import seed_everything
 
 if TYPE_CHECKING:
     from training.start import StaticPlan  # the plan's module builds these pieces: a cycle at run time
@@ -56,12 +55,6 @@ def check_run_dir(run_dir: Path) -> None:
         raise UserError(
             f"run.dir {run_dir} is not writable on node {host} (rank {rank}): {why}; give a writable run.dir"
         )
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def scalar_attrs(attrs: dict) -> dict:
@@ -170,10 +163,11 @@ def open_data(
     return RunData(loader, eval_set, kind, attrs, vocab_sha or attrs.get(fmt.hash_key))
 
 
-def model_spec(model: ModelSection, data: DataSection, shard_attrs: dict[str, Any]):
-    """The named size with this run's vocabulary (``model.vocab_size``, else the shards') and dropout; refuses a
-    sequence length beyond its positions."""
-    spec = get_spec(model.name, vocab_size=model.vocab_size or shard_attrs.get("vocab_size"), dropout=model.dropout)
+def model_spec(plan: StaticPlan, model: ModelSection, data: DataSection, shard_attrs: dict[str, Any]):
+    """The plan's named size with this run's vocabulary (``model.vocab_size``, else the shards') and dropout, as
+    ``model.registry.get_spec`` replaces fields; refuses a sequence length beyond its positions."""
+    vocab = model.vocab_size or shard_attrs.get("vocab_size")
+    spec = with_fields(plan.spec, model.name, vocab_size=vocab, dropout=model.dropout)
     if spec.max_positions < data.seq_len:
         raise UserError(f"data.seq_len={data.seq_len} exceeds {spec.name}'s max_positions={spec.max_positions}")
     return spec

@@ -136,15 +136,15 @@ def prepare(cfg: Config) -> Start | None:
     """Everything before the first step, on every rank: the plan, the process group, the data, the model and its
     engine, the trainer with its checkpointer, and the resume (or ``train.init_from``). None: the checkpoint is
     already at ``train.steps``. The caller runs the trainer and closes it (and ends the process group)."""
+    static = static_plan(cfg.model, cfg.data)  # from the config alone: a wrong model name is refused first
     restrict()  # every checkpoint load of this rank (DeepSpeed's too) reads weights only: a file runs no code
     ds_engine.start(cfg)  # precision and backend checks, the device, threads, determinism, the process group
     rank, world = collectives.rank(), collectives.world_size()
-    grad_accum = gradient_accumulation(cfg.train, world)
+    grad_accum, retry_s = gradient_accumulation(cfg.train, world), read_retry_s(cfg)
     run_dir = Path(cfg.run.dir)
     ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     # one live owner: refused here, on every rank, before anything is written in either directory
     ownership.take([run_dir, ckpt_dir], cfg.run.owner_stale_s, cfg.run.takeover)
-    static = static_plan(cfg.model, cfg.data)  # validates the name before any data is read
     check_run_dir(run_dir)
     state = TrainState(seed=cfg.train.seed, rank=rank)  # the trainer's and the checkpointer's
     clock = Clock(cfg.logging.warmup_steps)  # the run's time: the trainer's steps, the checkpointer's saves
@@ -157,14 +157,13 @@ def prepare(cfg: Config) -> Start | None:
     if point is not None and point.saved["step"] == cfg.train.steps:
         log.info(f"{point.ckpt_dir / point.tag} is already at train.steps={cfg.train.steps}: nothing to train")
         return None
-    data = open_data(cfg.data, cfg.train, static, grad_accum, rank, world, read_retry_s(cfg))
+    data = open_data(cfg.data, cfg.train, static, grad_accum, rank, world, retry_s)
+    spec = model_spec(static, cfg.model, cfg.data, data.attrs)
     state.attach(data.loader)
-    spec = model_spec(cfg.model, cfg.data, data.attrs)
     ds_config = ds_engine.deepspeed_config(cfg, grad_accum, str(run_dir))
     ds_config["checkpoint"]["load_universal"] = bool(point and point.universal)
     engine = build_engine(cfg.model, cfg.optimizer, cfg.schedule, cfg.train, spec, static, ds_config, rank)
-    resolved = cfg.to_dict()
-    identity = run_identity(spec, data, world, cfg.train, cfg.optimizer, resolved)
+    identity = run_identity(spec, data, world, cfg.train, cfg.optimizer, cfg.to_dict())
     trainer, facts = assemble(cfg, plan, engine, data, spec, checkpointer)
     try:
         checkpointer.load(engine, identity, trainer.events_to, init_from)  # the resume, or init_from's weights

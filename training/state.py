@@ -10,13 +10,23 @@ resume at another world size).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
+
 from common.log import get_logger
-from training.build import seed_everything
 
 log = get_logger("train")
+
+
+def seed_everything(seed: int) -> None:
+    """Python's, numpy's and torch's RNGs from ``seed`` (a run's initial weights, a rank's dropout stream)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
 
 
 @dataclass

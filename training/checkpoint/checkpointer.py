@@ -102,9 +102,12 @@ class Checkpointer:
         """The engine this run trains, restored from ``plan()``'s checkpoint with the trainer's state, or given
         ``init_from``'s weights (phase 2), or left as built; then saved by this checkpointer."""
         self.engine, self.identity, self.log = engine, identity, events_to
-        if self.point is not None:
-            self._restore(self.point)
-            self.state.load_state_dict(self.point.saved)  # the counters and the data position, after the engine
+        point = self.point
+        if point is not None:
+            self._restore(point)
+            self.state.load_state_dict(point.saved)  # the counters and the data position, after the engine
+            if point.universal:  # per-rank RNG streams cannot carry over to another world size: from the step
+                self.state.reseed(point.saved["step"])
         elif init_from is not None:
             self._initialise_from(init_from)
 
@@ -327,7 +330,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ loading
     def _restore(self, point: ResumePoint) -> None:
-        """check -> convert -> load -> hooks -> re-seed: continue a run's engine from ``point`` on every rank.
+        """check -> convert -> load -> hooks: continue a run's engine from ``point`` on every rank (``load`` then
+        restores the trainer's state, and re-seeds it at another world size).
 
         The learning rate of the first resumed step comes from this run's schedule (which may be longer than
         the saved run's), not from the rate stored in the optimizer state.
@@ -336,9 +340,9 @@ class Checkpointer:
         check_compatible(point.saved, self.identity, point.ckpt_dir / point.tag)
         wait_s = self.cfg.convert_timeout_s
         tag = to_universal(point.ckpt_dir, point.tag, wait_s) if point.universal else point.tag
-        self._load(point.ckpt_dir, tag)
-        if point.universal:  # per-rank RNG streams cannot carry over to another world size: from the step
-            self.state.reseed(point.saved["step"])
+        load(self.engine, point.ckpt_dir, tag)
+        for hook in self.after_load:  # the optimizer was loaded: e.g. LANS's per-tensor layout, from its links
+            hook(self.engine)
         if self.engine.lr_scheduler is not None:
             rates_at_current_step(self.engine.lr_scheduler)
         self.last_saved = point.saved["step"]
@@ -349,11 +353,5 @@ class Checkpointer:
         assert self.identity is not None
         init_dir, init_tag = resolve(path, "train.init_from")
         check_compatible(read_client_state(init_dir, init_tag), self.identity, init_dir / init_tag)
-        self._load(init_dir, init_tag, module_only=True)
+        load(self.engine, init_dir, init_tag, module_only=True)  # no optimizer state: no hooks
         log.info(f"initialised weights from {init_dir / init_tag} (fresh optimizer, step count and schedule)")
-
-    def _load(self, ckpt_dir: Path, tag: str, module_only: bool = False) -> None:
-        load(self.engine, ckpt_dir, tag, module_only=module_only)
-        if not module_only:  # the optimizer was loaded: e.g. LANS's per-tensor layout, rebuilt from its links
-            for hook in self.after_load:
-                hook(self.engine)
