@@ -18,7 +18,6 @@ import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -31,7 +30,7 @@ from model.flops import WorkCounter, training_flops_per_token
 from model.registry import ModelSpec, family_of, get_spec
 from training import collectives, devices, events, ownership
 from training import engine as ds_engine
-from training.build import build_engine, check_run_dir, model_spec, open_data, run_identity
+from training.build import RunData, build_engine, check_run_dir, model_spec, open_data, run_identity
 from training.checkpoint.checkpointer import Checkpointer
 from training.checkpoint.replicas import write_replica_digest
 from training.checkpoint.resume import ResumePoint
@@ -105,8 +104,8 @@ class Start:
     """A run's start, up to its first step: the trainer (restored or initialised), the run's plan and facts
     (``training.metrics.RunFacts``), and the DeepSpeed configuration."""
 
-    trainer: Any
-    facts: Any
+    trainer: Trainer
+    facts: RunFacts
     ds_config: dict
     plan: RunPlan
 
@@ -173,7 +172,9 @@ def prepare(cfg: Config) -> Start | None:
     return Start(trainer, facts, ds_config, plan)
 
 
-def assemble(cfg: Config, plan: RunPlan, engine, data, spec, checkpointer: Checkpointer):
+def assemble(
+    cfg: Config, plan: RunPlan, engine, data: RunData, spec: ModelSpec, checkpointer: Checkpointer
+) -> tuple[Trainer, RunFacts]:
     """The trainer of this start, with its logbook and data watchdog, and the run's facts."""
     static, part = plan.static, plan.run
     rank, run_dir = part.rank, part.run_dir
@@ -223,7 +224,7 @@ def next_attempt(run_dir: Path, rank: int) -> int:
     return int(collectives.broadcast_object(number))
 
 
-def run_facts(cfg: Config, plan: RunPlan, spec, engine, events_to: events.EventLog):
+def run_facts(cfg: Config, plan: RunPlan, spec: ModelSpec, engine, events_to: events.EventLog) -> RunFacts:
     """What this start of the run is (``training.metrics.RunFacts``); ranks of one job report one peak."""
     flops = training_flops_per_token(spec, cfg.data.seq_len, plan.static.max_pred)
     device = devices.device_name()
@@ -294,7 +295,7 @@ def announce(start: Start) -> float:
     return startup_s
 
 
-def report(facts, trainer, perf: dict, startup_s: float) -> None:
+def report(facts: RunFacts, trainer: Trainer, perf: dict, startup_s: float) -> None:
     """After the last step: the finish event, the replica digests, and rank 0's summary.json."""
     rank, run_dir = collectives.rank(), trainer.events_to.run_dir
     if rank == 0 and not perf["stopped"]:
