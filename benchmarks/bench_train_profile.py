@@ -1,4 +1,5 @@
-"""Where the time of our train step goes: ``train.py`` run in this process under ``torch.profiler``.
+"""Where the time of our train step goes: a run (``training.start.run``, train.py's) in this process under
+``torch.profiler``.
 
 The phases of a training step are labelled (the next batch from the loader, forward, backward, DeepSpeed
 ``step`` at and between accumulation boundaries) by wrapping public methods only: the DeepSpeed engine's,
@@ -122,13 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MASTER_PORT", "29849")
 
     import deepspeed.runtime.engine as ds_engine
-    from bench_train_ours import import_train  # a sibling: a script's directory is on sys.path
 
     from data.loader import PretrainingLoader
+    from training import start
     from training.config import load_config
     from training.trainer import Trainer
 
-    train = import_train()
     cfg = load_config(args.config, [*args.overrides, f"run.threads_per_rank={args.threads}"])
     warm = cfg.logging.warmup_steps
     E = ds_engine.DeepSpeedEngine
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     Trainer.train_step = train_step  # type: ignore[method-assign]
-    rc = train.run(cfg)
+    rc = start.run(cfg)
     prof = STATE["prof"]
     if prof is None:
         print("the profiler never started: train.steps must exceed logging.warmup_steps")

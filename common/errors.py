@@ -6,6 +6,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 EXIT_USER_ERROR = 2
+# SIGTERM, a launcher gone or train.stop_at_step (a rank: the current step finished, a checkpoint was saved), or
+# launch elastic itself signalled: the scheduler requeues the job, which resumes from its last checkpoint.
+EXIT_PREEMPTED = 3
 # A rank is hung or gone (a collective timed out or lost its peer, or its data loader stalled): the job
 # ends and resumes from its last checkpoint. Not a preemption (3).
 EXIT_PEER_LOST = 4

@@ -50,13 +50,12 @@ from pathlib import Path
 
 import psutil
 
-from common.errors import EXIT_USER_ERROR, SUPERVISED_ENV, UserError
+from common.errors import EXIT_PREEMPTED, EXIT_USER_ERROR, SUPERVISED_ENV, UserError
 from common.packages import python_path
 from training import events, ownership
 from training.config import Config, gradient_accumulation, load_config
 
 REPO = Path(__file__).resolve().parents[1]
-EXIT_PREEMPTED = 3
 POLL_S = 0.2
 
 

@@ -205,15 +205,14 @@ def load_phase(name_or_path: str) -> Phase:
     # on call (start-up time): model.flops loads torch, and the registry each family's module; a report of
     # measured runs reads neither
     from model.flops import training_flops_of_sums, training_flops_per_token
-    from model.registry import family_of, get_spec
     from training.config import load_config, resolve_config_path
+    from training.start import static_plan
 
     path = resolve_config_path(name_or_path)
     cfg = load_config(str(path))
-    # The vocabulary size is the registry's unless model.vocab_size sets it (train.py reads it from the data).
-    spec = get_spec(cfg.model.name, vocab_size=cfg.model.vocab_size)
-    family, seq_len = family_of(spec), cfg.data.seq_len
-    max_pred = cfg.data.max_pred if family.format.uses_max_pred else None
+    # The vocabulary size is the registry's unless model.vocab_size sets it (a run reads it from the data).
+    plan = static_plan(cfg.model, cfg.data)
+    spec, seq_len, max_pred = plan.spec, cfg.data.seq_len, plan.max_pred
     phase = Phase(
         str(path),
         cfg.model.name,
@@ -223,7 +222,7 @@ def load_phase(name_or_path: str) -> Phase:
         tokens_per_sample=seq_len,
         flops_per_sample=training_flops_per_token(spec, seq_len, max_pred) * seq_len,
     )
-    if not family.unpadded(cfg.model.unpad):
+    if not plan.unpadded:
         return phase
     lengths = data_lengths(cfg.data.train)
     if lengths is None:

@@ -21,23 +21,25 @@ def build_model(
     device: str | torch.device = "cpu",
     attention: str = "sdpa",
     activation_checkpointing: bool = False,
-    unpad: bool = True,
+    unpad: bool | None = None,
     unpad_kernel: str | None = None,
     compile: bool = False,
 ) -> nn.Module:
     """Construct the family's pre-training model (``Family.build``). ``device="meta"`` builds shapes only (any
     size, no memory).
 
-    ``unpad``: ``model.unpad``, which the family's record turns into whether the model computes only the real
-    tokens of its padded batches (``Family.unpadded``: BERT does; GPT-NeoX's packed windows have no padding);
-    ``unpad_kernel``: then the attention kernel over the packed tokens (None: the device's default).
+    ``unpad``: whether the model computes only the real tokens of its padded batches, as decided once for a run
+    (``Family.unpadded``'s answer: BERT can; GPT-NeoX's packed windows have no padding); None: the family's
+    default (what ``Family.unpadded(True)`` says). ``unpad_kernel``: then the attention kernel over the packed
+    tokens (None: the device's default).
     ``compile``: ``model.compile``, its transformer blocks compiled as it is built (``model.compile``).
     """
     if isinstance(spec, str):
         spec = get_spec(spec)
     family = family_of(spec)
     with torch.device(device):
-        model = family.build(spec, attention, unpad=family.unpadded(unpad), unpad_kernel=unpad_kernel)
+        unpadded = family.unpads if unpad is None else unpad  # Family.unpadded(True), not asked again
+        model = family.build(spec, attention, unpad=unpadded, unpad_kernel=unpad_kernel)
     if activation_checkpointing:
         if family.transformers_model is None:
             raise UserError(f"model.activation_checkpointing: {family.title} models have no transformers model")

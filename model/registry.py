@@ -25,6 +25,7 @@ __all__ = [
     "ModelSpec",
     "family_of",
     "get_spec",
+    "with_fields",
     "load_families",
     "register",
     "spec_from_dict",
@@ -80,6 +81,11 @@ def get_spec(name: str, **overrides: Any) -> ModelSpec:
         spec = REGISTRY[name]
     except KeyError:
         raise UserError(f"unknown model {name!r}; known models: {', '.join(REGISTRY)}") from None
+    return with_fields(spec, name, **overrides)
+
+
+def with_fields(spec: ModelSpec, name: str, **overrides: Any) -> ModelSpec:
+    """``spec`` (the size ``name``) with the fields given (not None) replaced, checked by its family's spec."""
     overrides = {k: v for k, v in overrides.items() if v is not None}
     if not overrides:
         return spec

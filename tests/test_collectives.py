@@ -125,7 +125,7 @@ def _function(path: Path, name: str) -> ast.FunctionDef:
 
 
 def test_each_rank_binds_its_device_before_any_collective():
-    """engine.start() binds LOCAL_RANK's device before the process group exists, and train.py's prepare()
+    """engine.start() binds LOCAL_RANK's device before the process group exists, and training.start's prepare()
     (run()'s first call) calls start() before anything that can issue a collective (the start-up checks' object
     collectives used to run on cuda:0 on every rank)."""
     start = _calls_in_order(_function(REPO / "training/engine.py", "start"))
@@ -133,8 +133,8 @@ def test_each_rank_binds_its_device_before_any_collective():
     assert start.index("bind_device") < start.index("deepspeed.init_distributed"), start
     bind = _calls_in_order(_function(REPO / "training/engine.py", "bind_device"))
     assert "acc.set_device" in bind and "device_for" in bind, bind
-    prepare = _calls_in_order(_function(REPO / "train.py", "prepare"))  # run()'s start, before anything else
-    assert _calls_in_order(_function(REPO / "train.py", "run"))[0] == "prepare"
+    prepare = _calls_in_order(_function(REPO / "training/start.py", "prepare"))  # run()'s start, before anything
+    assert _calls_in_order(_function(REPO / "training/start.py", "run"))[0] == "prepare"
     first_start = prepare.index("ds_engine.start")
     before = prepare[:first_start]
     assert not [c for c in before if c.startswith(("collectives.", "checkpoint.", "check_run_dir"))], before

@@ -261,17 +261,19 @@ def test_wordpiece_tokenizer_json(
         expect_error(data_cli(*argv, check=False), Path(tok).name, needle)
         assert not out.exists()
     # Shards made from vocab.txt train with data.vocab set to the tokenizer.json: a run reads data.vocab only where
-    # it opens its shards (training.build.open_data), which is done here in-process, as train.py does it (the
+    # it opens its shards (training.build.open_data), which is done here in-process, as a run's start does it (the
     # launched runs of tests/test_train.py and others train on these shards with the vocab.txt).
-    from model.registry import FAMILIES
     from training.build import open_data
     from training.config import load_config
+    from training.start import static_plan
 
     run = tmp_path / "run"
     cfg = load_config(
         "smoke", smoke({**bert_data, "vocab": as_json}, run, "train.micro_batch=4", "data.num_workers=0")[2:]
     )
-    opened = open_data(cfg.data, cfg.train, cfg.model, FAMILIES["bert"], 1, 0, 1, 1.0)
+    plan = static_plan(cfg.model, cfg.data)  # the smoke recipe's BERT
+    assert plan.family.name == "bert"
+    opened = open_data(cfg.data, cfg.train, plan, 1, 0, 1, 1.0)
     try:
         assert opened.kind == "bert" and opened.vocab_sha256 == opened.attrs["vocab_sha256"] == vocab_sha256(wiki_vocab)
         batch = next(iter(opened.loader))
@@ -280,7 +282,7 @@ def test_wordpiece_tokenizer_json(
         opened.loader.close()
     cfg.data.vocab = str(bpe)  # another vocabulary: refused in one line naming the attribute
     with pytest.raises(UserError, match=r"attribute vocab_sha256='[0-9a-f]+' but expected '[0-9a-f]+'$"):
-        open_data(cfg.data, cfg.train, cfg.model, FAMILIES["bert"], 1, 0, 1, 1.0)
+        open_data(cfg.data, cfg.train, plan, 1, 0, 1, 1.0)
 
 
 def test_format_registry_names_the_known_formats() -> None:

@@ -8,8 +8,8 @@ around it), ends the group in its ``finally`` (``common.process.end_process_grou
 ``destroy_process_group``) or leaves the process there (``exit_fast``, ``os._exit``: no C++ teardown at all).
 
 The one call outside that rule is train.py's own path: ``training.engine.start`` starts the group inside
-train.py's ``run``, which only train.py's ``main`` calls, inside a ``try`` whose ``finally`` ends the group;
-train.py's ``__main__`` leaves through ``exit_fast``. That chain is checked here too.
+``training.start``'s ``run``, which only train.py's ``main`` calls, inside a ``try`` whose ``finally`` ends the
+group; train.py's ``__main__`` leaves through ``exit_fast``. That chain is checked here too.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from tests.conftest import REPO
 STARTS = {"init_distributed", "init_process_group"}
 ENDS = {"end_process_group", "destroy_process_group", "exit_fast", "_exit"}
 TRAIN_PATH = ("training/engine.py", "start")  # train.py's own start: checked by test_train_py_ends_its_group
+START = "training/start.py"  # the run train.py's main starts (training.start.run)
 
 
 def _name(call: ast.Call) -> str:
@@ -165,24 +166,28 @@ def test_every_process_group_started_is_ended() -> None:
 
 
 def test_train_py_ends_its_group() -> None:
-    """train.py's path: ``engine.start`` is called by train.py's ``prepare`` alone (``run``'s first call),
-    ``run`` by ``main`` inside a ``try`` that ends the group in its ``finally``, and ``__main__`` leaves through
-    ``exit_fast(main())``."""
-    tree = ast.parse((REPO / "train.py").read_text())
-    funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    """train.py's path: ``engine.start`` is called by ``training.start``'s ``prepare`` alone (``run``'s first
+    call), ``run`` by train.py's ``main`` inside a ``try`` that ends the group in its ``finally``, and
+    ``__main__`` leaves through ``exit_fast(main())``."""
+    start_tree = ast.parse((REPO / START).read_text())
+    funcs = {n.name: n for n in start_tree.body if isinstance(n, ast.FunctionDef)}
     starts = [c for c in _calls(funcs["prepare"], {"start"}) if ast.unparse(c.func) == "ds_engine.start"]
-    assert len(starts) == 1, "train.py's prepare() starts the process group through ds_engine.start(cfg)"
-    assert _calls(funcs["run"], {"prepare"}), "train.py's run() starts through prepare()"
+    assert len(starts) == 1, "training.start's prepare() starts the process group through ds_engine.start(cfg)"
+    assert _calls(funcs["run"], {"prepare"}), "training.start's run() starts through prepare()"
+    tree = ast.parse((REPO / "train.py").read_text())
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
     ended = [
         t
-        for t in ast.walk(funcs["main"])
-        if isinstance(t, ast.Try) and any(_calls(s, {"run"}) for s in t.body) and _ends_in_finally(t)
+        for t in ast.walk(main)
+        if isinstance(t, ast.Try)
+        and any(c for s in t.body for c in _calls(s, {"run"}) if ast.unparse(c.func) == "start.run")
+        and _ends_in_finally(t)
     ]
-    assert ended, "train.py's main() calls run() inside a try whose finally ends the process group"
+    assert ended, "train.py's main() calls start.run() inside a try whose finally ends the process group"
     entry = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
     assert entry and "exit_fast(main())" in ast.unparse(entry[0]), "train.py leaves through exit_fast(main())"
-    others = [p for p in python_files() if p != "train.py" and _calls_engine_start(ast.parse((REPO / p).read_text()))]
-    assert others == [], f"training.engine.start is train.py's alone; also called in {others}"
+    others = [p for p in python_files() if p != START and _calls_engine_start(ast.parse((REPO / p).read_text()))]
+    assert others == [], f"training.engine.start is {START}'s alone; also called in {others}"
 
 
 def _calls_engine_start(tree: ast.AST) -> bool:

@@ -1,5 +1,5 @@
 """The training loop and its checkpointer in this process, against a real DeepSpeed engine at world size 1 (gloo):
-the start ``train.py`` makes (``train.prepare``: data, engine, trainer, checkpointer, resume), then
+the start a run makes (``training.start.prepare``: data, engine, trainer, checkpointer, resume), then
 ``Trainer.train`` with its checkpointer's three calls, read from the objects themselves. The process group and
 what a start changes in the process (threads, determinism, the SIGTERM handler, the environment) are undone
 after the test."""
@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-import train
 from common.net import free_port
+from model.family import Family
 from tests.conftest import smoke
-from training import events
+from training import events, start
 from training.checkpoint import storage as checkpoint
 from training.config import load_config
 
@@ -61,9 +61,9 @@ def _train(data: dict[str, Path], run_dir: Path, *settings: str) -> tuple[dict, 
     same = ("train.steps=6", "train.global_batch=4", "train.micro_batch=4", "train.eval_every=0")
     same += ("deepspeed.precision=fp32", "checkpoint.every=2", "checkpoint.keep=10", "checkpoint.async_save=true")
     cfg = load_config("smoke", smoke(data, run_dir, *same, "train.deterministic=true", *settings)[2:])
-    start = train.prepare(cfg)
-    assert start is not None
-    trainer = start.trainer
+    started = start.prepare(cfg)
+    assert started is not None
+    trainer = started.trainer
     try:
         perf = trainer.train()
         assert perf["save_s"] == trainer.clock.save_s > 0  # the saves were paused out of the window
@@ -80,12 +80,17 @@ def trainer_kernel(run_dir: Path) -> str:
     return kernel
 
 
-def test_the_loop_saves_through_its_checkpointer_and_resumes_exactly(bert_data, tmp_path, world_of_one):
+def test_the_loop_saves_through_its_checkpointer_and_resumes_exactly(bert_data, tmp_path, world_of_one, monkeypatch):
     """Every 2 steps in the background (the commit after every rank's files are durable, as the step's
     collective reports), the last step synchronously at the end; a run stopped at step 3 saves it, and its
-    resume continues to the same weights, bit for bit, as the run that went straight through."""
+    resume continues to the same weights, bit for bit, as the run that went straight through. Whether a run
+    unpads is decided once per start (``Family.unpadded``, by its plan), and every builder is given the answer."""
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    asked: list[bool] = []
+    unpadded = Family.unpadded
+    monkeypatch.setattr(Family, "unpadded", lambda family, setting: asked.append(setting) or unpadded(family, setting))
     perf, weights, saves = _train(bert_data, straight)
+    assert asked == [True]  # the smoke recipe's BERT, model.unpad=true: one call during the whole start
     assert perf["stopped"] == "" and perf["measured_steps"] > 0
     # the kernel the model's forward ran, read through the family record (FP32: padded on a GPU, saying why)
     cpu = not torch.cuda.is_available()
@@ -101,6 +106,7 @@ def test_the_loop_saves_through_its_checkpointer_and_resumes_exactly(bert_data, 
     assert [(e["step"], "write_s" in e) for e in saves] == [(2, True), (3, False)]
 
     perf, resumed, saves = _train(bert_data, stopped)
+    assert len(asked) == 3  # one per start, a resumed one included
     assert perf["stopped"] == ""
     assert [e["step"] for e in saves] == [2, 3, 4, 6] and {e["attempt"] for e in saves[2:]} == {2}
     assert resumed.keys() == weights.keys()

@@ -1,19 +1,18 @@
 """The pieces of a run, each built from its own section of the config: data, model and engine.
 
-``train.py`` reads as a list of these calls; each takes the sections it needs, not the whole config.
+``training.start`` reads as a list of these calls; each takes the sections it needs, not the whole config, and
+the part of the run's plan it needs (``training.start.StaticPlan``) instead of deciding it again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from common.errors import UserError
 from common.log import get_logger
@@ -24,12 +23,16 @@ from data.tokenizer import vocab_sha256
 from model.build import build_model
 from model.compile import compiled_modules
 from model.compile import wanted as compile_wanted
-from model.registry import family_of, get_spec, spec_to_dict
+from model.registry import spec_to_dict, with_fields
 from training import collectives
 from training.checkpoint.resume import RunIdentity
 from training.config import DataSection, ModelSection, OptimizerSection, ScheduleSection, TrainSection
 from training.optim.factory import attach_zero, build_optimizer, param_groups
 from training.optim.schedules import SCHEDULES, build_scheduler
+from training.state import seed_everything
+
+if TYPE_CHECKING:
+    from training.start import StaticPlan  # the plan's module builds these pieces: a cycle at run time
 
 log = get_logger("train")
 
@@ -52,12 +55,6 @@ def check_run_dir(run_dir: Path) -> None:
         raise UserError(
             f"run.dir {run_dir} is not writable on node {host} (rank {rank}): {why}; give a writable run.dir"
         )
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def scalar_attrs(attrs: dict) -> dict:
@@ -119,30 +116,29 @@ def _open_loader(
 def open_data(
     data: DataSection,
     train: TrainSection,
-    model: ModelSection,
-    family,
+    plan: StaticPlan,
     grad_accum: int,
     rank: int,
     world: int,
     read_retry_s: float,
 ) -> RunData:
     """Open the shards the model family reads, checking them against ``data.*`` (sequence length,
-    vocabulary). When the run unpads (``Family.unpadded``: BERT with ``model.unpad``) the micro-batches carry
+    vocabulary). When the run unpads (the plan's ``unpadded``: BERT with ``model.unpad``) the micro-batches carry
     where their real tokens are, found on the host (``data.loader.unpadding_index``)."""
-    fmt = family.format  # one line if the family's format is not registered
+    fmt, family = plan.shard_format, plan.family
     if data.kind != "auto" and get_format(data.kind) is not fmt:  # one line if data.kind is unknown
-        raise UserError(f"data.kind={data.kind} does not fit model {model.name} ({family.name}, {fmt.name} shards)")
+        raise UserError(f"data.kind={data.kind} does not fit model {plan.spec.name} ({family.name}, {fmt.name} shards)")
     kind = fmt.name
     expect: dict[str, Any] = {"seq_len": data.seq_len}
-    if fmt.uses_max_pred:
-        expect["max_pred"] = data.max_pred
+    if plan.max_pred is not None:
+        expect["max_pred"] = plan.max_pred
     vocab_sha = None
     if data.vocab:
         if not Path(data.vocab).exists():
             raise UserError(f"data.vocab={data.vocab}: file does not exist")
         vocab_sha = vocab_sha256(data.vocab)  # the identity the shard writers store
         expect[fmt.hash_key] = vocab_sha
-    unpad = family.unpadded(model.unpad)
+    unpad = plan.unpadded
     read_retry = ReadRetry(data.read_retries, read_retry_s)  # training and evaluation reads alike
     loader = _open_loader(
         data, train, data.train, "data.train", kind, grad_accum, rank, world, expect, unpad, read_retry
@@ -167,10 +163,11 @@ def open_data(
     return RunData(loader, eval_set, kind, attrs, vocab_sha or attrs.get(fmt.hash_key))
 
 
-def model_spec(model: ModelSection, data: DataSection, shard_attrs: dict[str, Any]):
-    """The named size with this run's vocabulary (``model.vocab_size``, else the shards') and dropout; refuses a
-    sequence length beyond its positions."""
-    spec = get_spec(model.name, vocab_size=model.vocab_size or shard_attrs.get("vocab_size"), dropout=model.dropout)
+def model_spec(plan: StaticPlan, model: ModelSection, data: DataSection, shard_attrs: dict[str, Any]):
+    """The plan's named size with this run's vocabulary (``model.vocab_size``, else the shards') and dropout, as
+    ``model.registry.get_spec`` replaces fields; refuses a sequence length beyond its positions."""
+    vocab = model.vocab_size or shard_attrs.get("vocab_size")
+    spec = with_fields(plan.spec, model.name, vocab_size=vocab, dropout=model.dropout)
     if spec.max_positions < data.seq_len:
         raise UserError(f"data.seq_len={data.seq_len} exceeds {spec.name}'s max_positions={spec.max_positions}")
     return spec
@@ -205,28 +202,26 @@ def build_engine(
     schedule: ScheduleSection,
     train: TrainSection,
     spec,
+    plan: StaticPlan,
     ds_config: dict[str, Any],
     rank: int,
 ):
-    """Model (same initial weights on every rank), optimizer, schedule and the DeepSpeed engine."""
+    """Model (same initial weights on every rank), optimizer, schedule and the DeepSpeed engine; whether it
+    unpads, and over which kernel, is the plan's."""
     import deepspeed  # deferred: seconds to import, and after training.engine.start's quiet()
 
     from training.zero_init import build_partitioned, local_numel  # deferred: it imports DeepSpeed too
 
     log.info(f"building {spec.name} and its optimizer")
     seed_everything(train.seed)  # same initial weights on every rank
-    family = family_of(spec)
-    unpad = family.unpadded(model_cfg.unpad)  # decided here, given to the model at construction
     device = collectives.accelerator().device_name()
-    unpad_kernel = None  # auto: the device's default. The kernel that runs is resolved in the model's forward,
-    # from its runtime device and dtype; the trainer logs it after the first step and records it (attention_kernel)
-    if unpad and model_cfg.unpad_attention != "auto":
-        unpad_kernel = {"loop": "varlen"}.get(model_cfg.unpad_attention, model_cfg.unpad_attention)
+    # the kernel that runs is resolved in the model's forward, from its runtime device and dtype; the trainer logs
+    # it after the first step and records it (attention_kernel)
     build: dict[str, Any] = {
         "attention": model_cfg.attention,
         "activation_checkpointing": model_cfg.activation_checkpointing,
-        "unpad": unpad,
-        "unpad_kernel": unpad_kernel,
+        "unpad": plan.unpadded,
+        "unpad_kernel": plan.unpad_kernel,
         "compile": compile_wanted(model_cfg.compile, device),
     }
     if ds_config["zero_optimization"]["stage"] == 3:  # each rank holds only its partition

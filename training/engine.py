@@ -18,7 +18,6 @@ import torch.distributed.distributed_c10d as c10d
 from common.errors import UserError
 from common.log import get_logger
 from common.net import free_port
-from model.registry import get_spec
 from training import collectives
 from training.config import Config, DeepSpeedSection, LoggingSection
 from training.devices import MEMORY_CAP_ENV
@@ -39,8 +38,8 @@ def backend_for(section: DeepSpeedSection) -> str:
 
 
 def check_setup(cfg: Config) -> None:
-    """Refuse, in one line, what cannot run on this machine, before any process group exists."""
-    get_spec(cfg.model.name)
+    """Refuse, in one line, what cannot run on this machine, before any process group exists (the model name is
+    the run's plan's to check: ``training.start.static_plan``)."""
     if cfg.logging.wandb.project and importlib.util.find_spec("wandb") is None:
         raise UserError("logging.wandb.project is set but wandb is not installed: pip install wandb")
     ds = cfg.deepspeed

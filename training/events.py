@@ -35,12 +35,23 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from training import ownership
 
 EVENTS = "events.jsonl"
+
+
+@dataclass
+class EventLog:
+    """Where the events of this start go (rank 0 writes the run's): the run's folder, this start's attempt
+    (``training.start.next_attempt``) and the job's nodes."""
+
+    run_dir: Path
+    attempt: int
+    nodes: int = 1
 
 
 def record(run_dir: Path, kind: str, **fields: Any) -> None:

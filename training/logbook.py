@@ -39,7 +39,7 @@ class Logbook:
         self.wandb_run: Any = None
 
     def open(self) -> None:
-        """Start wandb (rank 0's, when set), once the run has started (``train.run``: after the resume, before
+        """Start wandb (rank 0's, when set), once the run has started (``training.start.run``: after the resume, before
         the start-up time is taken), so that a refused start creates no wandb run."""
         if self.rank == 0 and self.start_wandb is not None and self.wandb_run is None:
             self.wandb_run = self.start_wandb()

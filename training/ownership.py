@@ -480,7 +480,7 @@ def acquire(
     """Take every directory's mark (judged by ``judge``), or raise ``RunOwned`` having written nothing. A
     mark of a previous start in this process is released first. The acquisition is recorded in
     ``run_dir``'s events: ``owner_acquire`` for fresh marks, ``owner_takeover`` with what was replaced."""
-    if _current is not None:  # an earlier start in this process (train.prepare called twice)
+    if _current is not None:  # an earlier start in this process (training.start.prepare called twice)
         _current.release(None)
     dirs = unique_dirs(dirs)
     t0 = time.monotonic()

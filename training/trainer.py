@@ -2,8 +2,9 @@
 
 ``Trainer.train()`` runs optimizer steps until ``train.steps``, ``train.stop_at_step`` or a stop request
 (SIGTERM, a launcher gone: ``training.watch``), logging on rank 0 (``training.logbook``), evaluating and
-handing the checkpoints to its ``Checkpointer``. Everything needed to continue exactly (step, samples,
-tokens, loader position, RNG states) goes into the checkpoint; ``close()`` always runs.
+handing the checkpoints to its ``Checkpointer`` (``flags()`` and ``after_step()`` each step, ``close()`` once).
+Everything needed to continue exactly (step, samples, tokens, loader position, RNG states) is its
+``training.state.TrainState``, which the checkpointer saves and restores; ``close()`` always runs.
 
 Host synchronisation. Inside a step nothing waits for the device: the micro-batch losses are summed on the
 device. At the end of a step one collective (``StepReduction``) carries the step's loss pieces and the named
@@ -21,49 +22,34 @@ in [0, 1].
 from __future__ import annotations
 
 import functools
-import json
-import socket
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import astuple, dataclass
-from pathlib import Path
+from dataclasses import astuple
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.errors import EXIT_PREEMPTED
 from common.log import get_logger
 from model.compile import compile_stats
 from model.family import Family
 from model.flops import NO_WORK, Work, WorkCounter
 from training import collectives, events
-from training.checkpoint.checkpointer import Checkpointer, EventLog
+from training.checkpoint.checkpointer import Checkpointer
 from training.clock import Clock, peak_memory_bytes, synchronize
 from training.config import TrainSection
 from training.devices import out_of_memory, to_device
 from training.evaluate import evaluate
+from training.events import EventLog
 from training.logbook import Logbook
 from training.metrics import flops_per_sec_per_device, mfu, throughput
+from training.state import TrainState
 from training.watch import DataWatchdog, StopRequest
 
 if TYPE_CHECKING:
     from model.unpad import AttentionKernel
 
 log = get_logger("train")
-
-EXIT_PREEMPTED = 3  # SIGTERM or train.stop_at_step: the current step finished, a checkpoint was saved
-
-
-@dataclass
-class TrainState:
-    step: int = 0
-    samples: int = 0
-    tokens: int = 0
-    """Positions computed (``training.metrics``' convention), every rank's, since the run's first step."""
-    flops: float = 0.0
-    """Their training FLOPs (``model.flops``)."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "samples": self.samples, "tokens": self.tokens, "flops": self.flops}
 
 
 class StepReduction:
@@ -148,6 +134,7 @@ class Trainer:
         engine,
         loader,
         *,
+        state: TrainState,
         train: TrainSection,
         checkpointer: Checkpointer,
         logbook: Logbook,
@@ -168,7 +155,7 @@ class Trainer:
         self.data_watchdog = data_watchdog
         self.family = family  # the model family's record: its logged loss parts and its evaluation
         self.world = collectives.world_size()
-        self.state = TrainState()
+        self.state = state  # the checkpointer's too: it saves and restores it
         self.clock = clock  # the checkpointer's too: it pauses its saves out of the throughput window
         self.stop = StopRequest()
         self.device = engine.device
@@ -203,21 +190,6 @@ class Trainer:
                 f"model.unpad: {self.family.title} computes its real tokens only, {ran.name} attention kernel "
                 f"(model.unpad_attention={ran.asked}{why})"
             )
-
-    # ------------------------------------------------------------------ state
-    def progress(self) -> dict[str, Any]:
-        """What a checkpoint holds beside the run's identity: the step counters and the data position."""
-        return {**self.state.to_dict(), "loader": self.loader.state_dict()}
-
-    def load_client_state(self, client: dict[str, Any]) -> None:
-        self.state = TrainState(client["step"], client["samples"], client["tokens"], float(client.get("flops", 0.0)))
-        if "flops" not in client:  # a checkpoint from before the counting convention (training.metrics)
-            log.warning(
-                f"the checkpoint at step {client['step']} counted every position as a token and no FLOPs: the "
-                "run's tokens count padding up to it, computed tokens after it, and its FLOPs start here"
-            )
-        self.loader.load_state_dict(client["loader"])
-        self._iter = None
 
     # ------------------------------------------------------------------ steps
     def _next_batch(self) -> tuple[dict[str, torch.Tensor], Work]:
@@ -364,7 +336,7 @@ class Trainer:
             step = self.state.step
             # the checkpointer's part of the step: a due save comes before this step's evaluation and log
             settle = functools.partial(self._settle, reduction)  # read only if the checkpointer saves
-            if not ckpt.after_step(step, reduction.step, reduction.carried, settle, self.progress):
+            if not ckpt.after_step(step, reduction.step, reduction.carried, settle):
                 stopped = "save_failed"  # every rank at this step; the checkpointer's close raises the line
                 break
             if self.clock.running:
@@ -396,7 +368,7 @@ class Trainer:
             self.last_loss = reduction.values["loss"]
         perf = self.performance()
         step = self.state.step
-        ckpt.close(step, self.progress, self.stop if stopped == "sigterm" else None)
+        ckpt.close(step, self.stop if stopped == "sigterm" else None)
         if not stopped and self.eval_set is not None:
             self.last_eval = self.evaluate()
             if self.last_eval:
@@ -446,22 +418,6 @@ class Trainer:
             if close is not None:
                 close()
         self.logbook.close()
-
-
-def next_attempt(run_dir: Path, rank: int) -> int:
-    """This start's attempt number, counted from the run's first start (RUN_DIR/attempts.jsonl, rank 0).
-
-    Every row of metrics.jsonl carries it, so the steps a restart re-does are visible and readers can take the
-    latest attempt's row for each step.
-    """
-    number = 0
-    if rank == 0:
-        path = run_dir / "attempts.jsonl"
-        number = 1 + (len(path.read_text().splitlines()) if path.exists() else 0)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"attempt": number, "time": time.time(), "host": socket.gethostname()}) + "\n")
-    return int(collectives.broadcast_object(number))
 
 
 def exit_code(perf: dict[str, Any]) -> int:

@@ -1,14 +1,17 @@
-"""The trainer's checkpointing: when to save, how (synchronously or in the background), and restore.
+"""The trainer's checkpointing: where a run resumes from, when to save, how (synchronously or in the
+background), and the restore.
 
-``Checkpointer`` owns every decision about checkpoints: the interval (``checkpoint.every``, or ``auto``:
-Young's interval from the save cost measured in the run and the failure rate), the background save in flight
-and what the step's collective says of it, the last save (at the end, at ``train.stop_at_step``, and after
-SIGTERM only when it fits in ``checkpoint.preempt_grace_s``), and the restore of a resumed run (check,
-convert, load, the hooks that run after a load, re-seed, the schedule's rate). It gets what it needs at
-construction: the checkpoint section and folder, the engine, the run's identity, the run's clock and length,
-the re-seed callback and the hooks.
+``Checkpointer`` owns every decision about checkpoints: the resume (``plan``: the checkpoint to continue from,
+found before the engine is built; ``load``: check, convert, load, the hooks that run after a load, the
+trainer's state, re-seed, the schedule's rate; or ``train.init_from``'s weights), the interval
+(``checkpoint.every``, or ``auto``: Young's interval from the save cost measured in the run and the failure
+rate), the background save in flight and what the step's collective says of it, and the last save (at the end,
+at ``train.stop_at_step``, and after SIGTERM only when it fits in ``checkpoint.preempt_grace_s``). It gets at
+construction the checkpoint section and folder, the trainer's state (``training.state.TrainState``: what a
+checkpoint holds beside the run's identity), the run's clock and length and the hooks; ``load`` gives it the
+engine, the run's identity and where its events go.
 
-The training loop calls three members, in this order:
+A start calls ``plan()`` then ``load(...)``; the training loop calls three members, in this order:
 
 * ``flags()`` in every step: this rank's numbers for the step's collective (``training.trainer.StepReduction``
   sums them over the ranks without reading them);
@@ -25,18 +28,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from common.log import get_logger
 from training import collectives, events
 from training.checkpoint import saving
-from training.checkpoint.resume import ResumePoint, RunIdentity, check_compatible
+from training.checkpoint.resume import ResumePoint, RunIdentity, check_compatible, check_shared, find_resume
 from training.checkpoint.storage import latest_complete, load, read_client_state, resolve, to_universal
 from training.clock import Clock
 from training.config import CheckpointSection
+from training.events import EventLog
 from training.optim.schedules import rates_at_current_step
+from training.state import TrainState
 from training.watch import StopRequest
 
 log = get_logger("train")
@@ -54,31 +58,23 @@ def young_interval(save_s: float, step_s: float, job_mtbf_s: float) -> dict[str,
     return {"interval_s": interval_s, "steps": steps, "expected_loss_s": steps * step_s / 2.0}
 
 
-@dataclass
-class EventLog:
-    """Where the checkpoint events of this start go (rank 0 writes them)."""
-
-    run_dir: Path
-    attempt: int
-    nodes: int = 1
-
-
 class Checkpointer:
     def __init__(
         self,
         section: CheckpointSection,
         ckpt_dir: Path,
-        engine: Any,
-        identity: RunIdentity,
-        reseed: Callable[[int], None],
+        state: TrainState,
         *,
         clock: Clock,
         steps: int,
-        events_to: EventLog,
         after_load: Sequence[Callable[[Any], None]] = (),
     ) -> None:
-        self.cfg, self.dir, self.engine, self.identity = section, ckpt_dir, engine, identity
-        self.reseed, self.after_load, self.log = reseed, after_load, events_to
+        self.cfg, self.dir, self.state, self.after_load = section, ckpt_dir, state, after_load
+        # given by load(): the engine it restores and saves, the run's identity, where its events go
+        self.engine: Any = None
+        self.identity: RunIdentity | None = None
+        self.log = EventLog(Path(), 0)
+        self.point: ResumePoint | None = None  # plan()'s answer
         self.rank, self.world = collectives.rank(), collectives.world_size()
         self.clock = clock  # the run's: saving stalls training and is paused out of its window
         self.steps = steps  # train.steps: the run's last step is saved by close(), once
@@ -90,6 +86,30 @@ class Checkpointer:
         self._begun = False
         self._auto_next: int | None = None  # checkpoint.every=auto: the step of the next save
         self._auto_mark = (0.0, 0)  # (perf_counter, step) at the end of the newest save
+
+    # ------------------------------------------------------------------ the start's two calls
+    def plan(self, *, world: int, global_batch: int, optimizer: str) -> ResumePoint | None:
+        """Before the engine is built, on every rank: the checkpoint folder is shared by every rank, and the
+        checkpoint the run continues from (``training.checkpoint.resume.find_resume``: rank 0 decides), or
+        None. One line on every rank where one cannot be resumed."""
+        check_shared(self.dir)
+        self.point = find_resume(
+            self.cfg, self.dir, world=world, global_batch=global_batch, steps=self.steps, optimizer=optimizer
+        )
+        return self.point
+
+    def load(self, engine: Any, identity: RunIdentity, events_to: EventLog, init_from: Path | None = None) -> None:
+        """The engine this run trains, restored from ``plan()``'s checkpoint with the trainer's state, or given
+        ``init_from``'s weights (phase 2), or left as built; then saved by this checkpointer."""
+        self.engine, self.identity, self.log = engine, identity, events_to
+        point = self.point
+        if point is not None:
+            self._restore(point)
+            self.state.load_state_dict(point.saved)  # the counters and the data position, after the engine
+            if point.universal:  # per-rank RNG streams cannot carry over to another world size: from the step
+                self.state.reseed(point.saved["step"])
+        elif init_from is not None:
+            self._initialise_from(init_from)
 
     # ------------------------------------------------------------------ the training loop's three calls
     def flags(self) -> list[float]:
@@ -104,12 +124,10 @@ class Checkpointer:
         as_of: int,
         flags: Sequence[float],
         settle: Callable[[], bool],
-        progress: Callable[[], dict[str, Any]],
     ) -> bool:
         """Once per step on every rank, after ``step``'s collective was launched. ``flags``: the sums over the
         ranks of ``flags()`` in the newest collective on the host, that of step ``as_of``; ``settle``: reads
-        ``step``'s collective (waiting for it) and says whether the run stops at this step; ``progress``: what a
-        checkpoint holds beside the run's identity.
+        ``step``'s collective (waiting for it) and says whether the run stops at this step.
 
         It follows the background save in flight (rank 0 commits it once every rank's files are durable), and
         saves when a save is due, unless the run stops at this step or ends at it (``close`` saves then, within
@@ -122,10 +140,10 @@ class Checkpointer:
         if self._due(step) and step < self.steps:
             with self.clock.paused():  # a due save waits for this step's stop flag (the one seen so far is older)
                 if not settle():
-                    self._save_scheduled(step, progress())
+                    self._save_scheduled(step)
         return True
 
-    def close(self, step: int, progress: Callable[[], dict[str, Any]], stop: StopRequest | None = None) -> None:
+    def close(self, step: int, stop: StopRequest | None = None) -> None:
         """After the loop, on every rank: the background save in flight committed (or its failure raised, the
         same line on every rank), then a save of ``step`` unless it is saved already or ``final_save`` is off,
         or, when the run stops for SIGTERM or a lost launcher (``stop``), unless the save does not fit in the
@@ -134,7 +152,7 @@ class Checkpointer:
         if stop is None and not self.cfg.final_save:
             return
         if step != self.last_saved and (stop is None or self._fits_after_sigterm(step, stop.at)):
-            self._save(step, progress())  # before the final evaluation, which can fail (out of memory)
+            self._save(step)  # before the final evaluation, which can fail (out of memory)
 
     # ------------------------------------------------------------------ when
     def _begin(self, start: int) -> None:
@@ -200,13 +218,15 @@ class Checkpointer:
         return True
 
     # ------------------------------------------------------------------ saving
-    def _save(self, step: int, progress: dict[str, Any], background: bool = False) -> str:
-        """Save at ``step`` (``progress``: step, samples, tokens, loader position): synchronously, or
+    def _save(self, step: int, background: bool = False) -> str:
+        """Save at ``step`` (the trainer's state: step, samples, tokens, loader position): synchronously, or
         (``background``, ``checkpoint.async_save``) with the files written while training goes on and
         committed once every rank reports them durable. A save first finishes the background one in flight."""
         t0 = time.perf_counter()
         self._finish_pending()  # its wait is part of this save's stall (and of checkpoint.every=auto's C)
         t1 = time.perf_counter()
+        assert self.identity is not None  # given by load()
+        progress = self.state.state_dict()
         client = {**self.identity.to_dict(), **progress}
         counted: dict[str, float] = {k: progress[k] for k in ("tokens", "flops") if k in progress}  # for segments
         if background:
@@ -233,11 +253,11 @@ class Checkpointer:
             log.info(f"saved checkpoint {self.dir / tag}")
         return tag
 
-    def _save_scheduled(self, step: int, progress: dict[str, Any]) -> None:
+    def _save_scheduled(self, step: int) -> None:
         """A due save: in the background when ``checkpoint.async_save``; with ``checkpoint.every=auto``, the
         next save is planned from this one's cost."""
         started = time.perf_counter()
-        self._save(step, progress, background=self.cfg.async_save)
+        self._save(step, background=self.cfg.async_save)
         if self.cfg.every == "auto":
             self._plan_next(step, started)
 
@@ -309,32 +329,29 @@ class Checkpointer:
             self._committed(pending)
 
     # ------------------------------------------------------------------ loading
-    def restore(self, point: ResumePoint) -> None:
-        """check -> convert -> load -> hooks -> re-seed: continue a run from ``point`` on every rank.
+    def _restore(self, point: ResumePoint) -> None:
+        """check -> convert -> load -> hooks: continue a run's engine from ``point`` on every rank (``load`` then
+        restores the trainer's state, and re-seeds it at another world size).
 
         The learning rate of the first resumed step comes from this run's schedule (which may be longer than
         the saved run's), not from the rate stored in the optimizer state.
         """
+        assert self.identity is not None
         check_compatible(point.saved, self.identity, point.ckpt_dir / point.tag)
         wait_s = self.cfg.convert_timeout_s
         tag = to_universal(point.ckpt_dir, point.tag, wait_s) if point.universal else point.tag
-        self._load(point.ckpt_dir, tag)
-        if point.universal:  # per-rank RNG streams cannot carry over to another world size: from the step
-            self.reseed(point.saved["step"])
+        load(self.engine, point.ckpt_dir, tag)
+        for hook in self.after_load:  # the optimizer was loaded: e.g. LANS's per-tensor layout, from its links
+            hook(self.engine)
         if self.engine.lr_scheduler is not None:
             rates_at_current_step(self.engine.lr_scheduler)
         self.last_saved = point.saved["step"]
         log.info(f"resumed from {point.ckpt_dir / tag} at step {point.saved['step']}")
 
-    def initialise_from(self, path: Path) -> None:
+    def _initialise_from(self, path: Path) -> None:
         """Phase 2: this checkpoint's weights, with a fresh optimizer, step count and schedule."""
+        assert self.identity is not None
         init_dir, init_tag = resolve(path, "train.init_from")
         check_compatible(read_client_state(init_dir, init_tag), self.identity, init_dir / init_tag)
-        self._load(init_dir, init_tag, module_only=True)
+        load(self.engine, init_dir, init_tag, module_only=True)  # no optimizer state: no hooks
         log.info(f"initialised weights from {init_dir / init_tag} (fresh optimizer, step count and schedule)")
-
-    def _load(self, ckpt_dir: Path, tag: str, module_only: bool = False) -> None:
-        load(self.engine, ckpt_dir, tag, module_only=module_only)
-        if not module_only:  # the optimizer was loaded: e.g. LANS's per-tensor layout, rebuilt from its links
-            for hook in self.after_load:
-                hook(self.engine)
