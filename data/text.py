@@ -28,7 +28,16 @@ from common.errors import UserError
 from common.outdir import prepare_out_dir, remove_stale
 from data.documents import Document, Source, add_source_arguments, document_sentences, source_from_args
 from data.textclean import is_disambiguation
-from data.wiki import CHUNK_CHARS, CHUNK_PAGES, FORMAT, FORMAT_VERSION, MANIFEST, ChunkPool, TextShardWriter
+from data.wiki import (
+    CHUNK_CHARS,
+    CHUNK_PAGES,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    ChunkPool,
+    TextShardWriter,
+    write_round_robin,
+)
 
 SHARD_PATTERN = re.compile(r"^text_\d{5,}\.txt$")
 COUNTS = ("documents", "disambiguation", "empty", "documents_written")
@@ -86,15 +95,9 @@ def write_text_files(
     with contextlib.ExitStack() as stack:
         pool = stack.enter_context(ChunkPool(workers, work))
         writers = [TextShardWriter(out_dir / f"text_{i:05d}.txt", stack) for i in range(shards)]
-        k = 0
-        for result in pool.map(_chunks(source.documents(), counts)):
-            for status, block, n_sent, n_chars in result:
-                if status == "ok":
-                    writers[k % shards].write(block, n_sent, n_chars)
-                    k += 1
-                else:
-                    counts[status] += 1
-        counts["documents_written"] = k
+        k = counts["documents_written"] = write_round_robin(
+            pool.map(_chunks(source.documents(), counts)), writers, counts
+        )
         if k == 0:
             raise UserError(
                 f"{source.name}: empty dataset: no text left ({counts['documents']} documents, "

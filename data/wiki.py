@@ -411,6 +411,22 @@ class ChunkPool:
         self._pool = self._ordered = None
 
 
+def write_round_robin(
+    results: Iterable[ChunkResult], writers: Sequence[TextShardWriter], counts: dict[str, int]
+) -> int:
+    """Each chunk's kept blocks into ``writers`` in turn (``ok``), the others counted in ``counts`` by their
+    status; returns how many were written."""
+    k = 0
+    for chunk_result in results:
+        for status, block, n_sent, n_chars in chunk_result:
+            if status == "ok":
+                writers[k % len(writers)].write(block, n_sent, n_chars)
+                k += 1
+            else:
+                counts[status] += 1
+    return k
+
+
 def _write_shards(
     results: Iterable[ChunkResult], out_dir: Path, shards: int, counts: dict[str, int], inputs: Sequence[Path]
 ) -> list[dict[str, Any]]:
@@ -419,15 +435,7 @@ def _write_shards(
     """
     with contextlib.ExitStack() as stack:
         writers = [TextShardWriter(out_dir / f"wiki_{i:05d}.txt", stack) for i in range(shards)]
-        k = 0
-        for chunk_result in results:
-            for status, block, n_sent, n_chars in chunk_result:
-                if status == "ok":
-                    writers[k % shards].write(block, n_sent, n_chars)
-                    k += 1
-                else:
-                    counts[status] += 1
-        counts["articles_written"] = k
+        k = counts["articles_written"] = write_round_robin(results, writers, counts)
         if k == 0:
             names = ", ".join(str(p) for p in inputs)
             raise UserError(
