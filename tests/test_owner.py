@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -285,3 +286,24 @@ def test_a_requeued_or_retried_job_is_another_job(monkeypatch) -> None:
     assert ownership.job_id() == "a1b2"
     monkeypatch.setenv("AWS_BATCH_JOB_ATTEMPT", "2")
     assert ownership.job_id() == "a1b2.2"
+
+
+def test_a_node_of_a_requeued_elastic_job_joins_the_mark_its_host_takes_while_it_watches(tmp_path) -> None:
+    """A ``launch elastic`` node that does not host the rendezvous, on a run whose mark names the previous
+    instance (another host's, so not provably gone): while it watches, its own host replaces the mark (gone or
+    stale there). The change it sees is its host's mark, so it joins; a change to another job's mark refuses."""
+    job, rendezvous = "77.1", "10.0.0.1:29400"
+    previous = ownership.new_mark("old", "launch elastic", STALE_S, "77", rendezvous)
+    previous = replace(previous, host="node9", boot_id="another-boot")  # nothing here can prove it gone
+    for d in ("host_takes_it", "another_job"):
+        (tmp_path / d).mkdir()
+        ownership._create(tmp_path / d, previous)
+    host = ownership.new_mark("new", "launch elastic", STALE_S, job, rendezvous)
+    threading.Timer(0.5, ownership._replace, (tmp_path / "host_takes_it", host)).start()
+    t0 = time.monotonic()
+    ownership.joinable([tmp_path / "host_takes_it"], STALE_S, job, rendezvous)
+    assert time.monotonic() - t0 < STALE_S  # joined on seeing its host's mark, not after the bound
+    other = replace(host, token="other", job="78")
+    threading.Timer(0.5, ownership._replace, (tmp_path / "another_job", other)).start()
+    with pytest.raises(ownership.RunOwned, match="is owned by a live job"):
+        ownership.joinable([tmp_path / "another_job"], STALE_S, job, rendezvous)

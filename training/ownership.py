@@ -558,12 +558,18 @@ def under(token: str, dirs: Sequence[Path]) -> Holding:
 def joinable(dirs: Sequence[Path], stale_s: float, job: str | None, rendezvous: str) -> None:
     """A ``launch elastic`` that does not host the rendezvous (the host's takes the marks): refused when a live
     job of another rendezvous or job id holds a directory; else it joins."""
+
+    def ours(m: Mark | None) -> bool:
+        return m is not None and m.role == "launch elastic" and m.rendezvous == rendezvous and m.job == job
+
     for d in unique_dirs(dirs):
-        seen = read_mark(d)
-        m = seen.mark
-        if m is not None and m.role == "launch elastic" and m.rendezvous == rendezvous and m.job == job:
+        if ours(read_mark(d).mark):
             continue
-        judge([d], stale_s)
+        try:
+            judge([d], stale_s)
+        except RunOwned:  # the change it saw may be its own host taking the mark over (a requeue): then it joins
+            if not ours(read_mark(d).mark):
+                raise
 
 
 def describe_owner(directory: Path, watch_s: float | None = None) -> str:
@@ -617,7 +623,7 @@ def take(dirs: Sequence[Path], stale_s: float, takeover: bool) -> Holding | None
         msg: tuple[str, str | None] | None = None
         if worker is not None:
             worker.join(timeout=HEARTBEAT_S)
-            msg = result[0] if result else ("wait", None)
+            msg = result[0] if result else ("wait", None) if worker.is_alive() else ("error", _DIED)
         msg = collectives.broadcast_object(msg)
         assert msg is not None
         if msg[0] != "wait":
@@ -634,6 +640,11 @@ def take(dirs: Sequence[Path], stale_s: float, takeover: bool) -> Holding | None
     if kind == "held" and collectives.rank() == 0:
         return current()
     return under(value, dirs)
+
+
+_DIED = "the owner's check ended without an outcome (see the traceback above); nothing was written"
+"""What every rank says when rank 0's check raised what it does not expect (a mark of the right shape with
+values of the wrong types): one line on every rank, never a wait without end."""
 
 
 def _decide(dirs: list[Path], stale_s: float, takeover: bool, token: str | None) -> tuple[str, str | None]:
