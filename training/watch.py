@@ -16,7 +16,7 @@ from typing import Any
 import psutil
 
 from common.errors import EXIT_PEER_LOST
-from training import collectives, events
+from training import collectives, events, ownership
 from training.config import DATA_STALL_SHARE
 
 LAUNCHER_POLL_S = 1.0  # how often a rank checks that its launchers are alive
@@ -161,4 +161,5 @@ class DataWatchdog:
         for child in psutil.Process().children(recursive=True):
             with contextlib.suppress(psutil.Error):
                 child.kill()
+        ownership.release(self.run_dir)  # the run's next start proceeds at once, as after any lost peer
         os._exit(EXIT_PEER_LOST)
