@@ -208,12 +208,8 @@ def run_logged(cmd: list[str], log_path: Path, env: dict[str, str], what: str, t
 
 
 def _end_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to ``proc``'s process group (the runs make no saves: nothing is lost), then SIGKILL to whatever
-    of the group is left once ``proc`` has ended or 10 s have passed."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10.0)
+    """SIGKILL to ``proc``'s process group at once: a measured run is disposable, and a SIGTERM would have
+    train.py save its state first (seconds to minutes on a GPU, gigabytes written) past the run's limit."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

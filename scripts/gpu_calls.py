@@ -33,10 +33,12 @@ Only the standard library: the call installs the project before anything imports
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -351,6 +353,7 @@ class Call:
     def do_run(self, step: Step, limit: float) -> bool:
         before = count_lines(self.records)
         cmd = [self.py, *self.bench_args(str(step.row)), "--only", str(step.only), "--records", str(self.records)]
+        cmd += ["--port", str(free_port())]  # not bench_train.py's default: another job may use it (CI's benchmarks)
         cmd += ["--timeout", f"{max(1.0, limit - 15):.0f}"]  # the run's own cut leaves its record
         if step.only == "profile":
             cmd += ["--profile-out", str(self.out / "profile.txt")]
@@ -464,10 +467,35 @@ class Call:
         return True
 
 
+def free_port() -> int:
+    """A TCP port free on the loopback right now (a run's MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (``/proc``'s parent links), in sessions of their own included: a timed
+    run that benchmarks/bench_train.py started in its own session."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def end_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to ``proc``'s process group, then SIGKILL to what is left once it ended or after 10 s."""
+    """SIGTERM to ``proc``'s process group, then SIGKILL to what is left once it ended or after 10 s, and to
+    every process it started in a session of its own (a cut step leaves nothing on the device)."""
     import signal
 
+    below = descendants(proc.pid)
     for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
@@ -477,6 +505,9 @@ def end_group(proc: subprocess.Popen) -> None:
             proc.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             continue
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     proc.wait()
 
 
@@ -488,9 +519,14 @@ def wait_or_end(proc: subprocess.Popen, seconds: float) -> None:
 
 
 def read_records(path: Path) -> list[dict]:
+    """The records of ``path``; a line that does not parse (a writer killed mid-line) is left out."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
 
 
 def count_lines(path: Path) -> int:
