@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     import deepspeed.runtime.engine as ds_engine
 
     from data.loader import PretrainingLoader
-    from training import start
+    from training import ownership, start
     from training.config import load_config
     from training.trainer import Trainer
 
@@ -161,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     Trainer.train_step = train_step  # type: ignore[method-assign]
-    rc = start.run(cfg)
+    try:
+        rc = start.run(cfg)
+    finally:
+        ownership.release()  # the run's owner's mark, as train.py's main releases it
     prof = STATE["prof"]
     if prof is None:
         print("the profiler never started: train.steps must exceed logging.warmup_steps")

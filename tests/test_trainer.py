@@ -23,7 +23,7 @@ import torch.distributed.distributed_c10d as c10d
 from common.net import free_port
 from model.family import Family
 from tests.conftest import smoke
-from training import events, start
+from training import events, ownership, start
 from training.checkpoint import storage as checkpoint
 from training.config import load_config
 
@@ -41,6 +41,7 @@ def world_of_one() -> Iterator[None]:
     try:
         yield
     finally:
+        ownership.release()  # the run's owner's mark and its renewal thread, as train.py's main releases them
         if dist.is_initialized():
             deepspeed.comm.destroy_process_group()  # DeepSpeed's cached groups with torch's
         c10d.default_pg_timeout = pg_timeout
