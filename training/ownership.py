@@ -386,13 +386,18 @@ class Holding:
 
     def check(self) -> bool:
         """The fence: True while every mark still holds this job's token; else ``on_lost`` with the line
-        (a rank: one line, exit 4) and False."""
+        (a rank: one line, exit 4) and False. A mark gone from under a process that does not own it (its
+        holder released it as the job ends): False, nothing more written, no line."""
         if self.lost is None:
             for d in self.dirs:
                 try:
                     seen = read_mark(d)
                 except OSError:  # the storage failed the read: no sign of another job (the write will say)
                     continue
+                if seen.mark is None and not self.owned:
+                    # its holder (rank 0, the supervisor) released it as the job ends: this rank writes nothing
+                    # more, and ends on its own error, not as taken over
+                    return False
                 if seen.mark is None or seen.mark.token != self.token:
                     self.lost = self._line(d, seen)
                     break
