@@ -12,13 +12,13 @@ that defines it may come from outside the package: :func:`load_formats`), and it
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from common.errors import UserError
+from common.plugins import load_records
 
 
 class Field(NamedTuple):
@@ -128,15 +128,7 @@ def formats() -> Iterator[ShardFormat]:
 def load_formats(modules: Iterable[str]) -> None:
     """The hook by which a format comes in without editing this package: import each named module, which
     defines a ``FORMAT`` record; it is registered."""
-    for name in modules:
-        try:
-            module = importlib.import_module(name)
-        except ImportError as e:
-            raise UserError(f"data.formats: cannot import {name!r}: {e}") from None
-        fmt = getattr(module, "FORMAT", None)
-        if not isinstance(fmt, ShardFormat):
-            raise UserError(f"data.formats: module {name!r} defines no FORMAT (a data.formats.ShardFormat record)")
-        register_format(fmt)
+    load_records(modules, "data.formats", "FORMAT", ShardFormat, register_format)
 
 
 class _View(Mapping):

@@ -10,11 +10,11 @@ through :func:`load_families`: ``model.families`` (``training.config``) names Py
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from collections.abc import Iterable
 from typing import Any
 
 from common.errors import UserError
+from common.plugins import load_records
 from model import bert, neox
 from model.family import Family
 
@@ -64,15 +64,7 @@ def load_families(modules: Iterable[str]) -> None:
     """The hook by which a family comes in without editing this package: import each named module (a dotted
     name importable from ``sys.path``; a run's working directory is on it) and register its ``FAMILY``
     record. ``model.families`` names them for a run; loading the config calls this."""
-    for name in modules:
-        try:
-            module = importlib.import_module(name)
-        except ImportError as e:
-            raise UserError(f"model.families: cannot import {name!r}: {e}") from None
-        family = getattr(module, "FAMILY", None)
-        if not isinstance(family, Family):
-            raise UserError(f"model.families: module {name!r} defines no FAMILY (a model.family.Family record)")
-        register(family)
+    load_records(modules, "model.families", "FAMILY", Family, register)
 
 
 def get_spec(name: str, **overrides: Any) -> ModelSpec:
