@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
+import torch
 
 from common.errors import UserError
 from common.log import get_logger
@@ -23,9 +23,8 @@ from data.tokenizer import vocab_sha256
 from model.build import build_model
 from model.compile import compiled_modules
 from model.compile import wanted as compile_wanted
-from model.registry import spec_to_dict, with_fields
+from model.registry import with_fields
 from training import collectives
-from training.checkpoint.resume import RunIdentity
 from training.config import DataSection, ModelSection, OptimizerSection, ScheduleSection, TrainSection
 from training.optim.factory import attach_zero, build_optimizer, param_groups
 from training.optim.schedules import SCHEDULES, build_scheduler
@@ -57,16 +56,6 @@ def check_run_dir(run_dir: Path) -> None:
         )
 
 
-def scalar_attrs(attrs: dict) -> dict:
-    """The shards' scalar attributes as plain JSON values (HDF5 gives numpy scalars)."""
-    out = {}
-    for k, v in attrs.items():
-        v = v.item() if isinstance(v, np.generic) else v
-        if isinstance(v, str | int | float | bool):
-            out[k] = v
-    return out
-
-
 @dataclass
 class RunData:
     """The training loader, the fixed evaluation set and what the shards say about themselves."""
@@ -76,41 +65,6 @@ class RunData:
     kind: str
     attrs: dict[str, Any]
     vocab_sha256: str | None
-
-
-def _open_loader(
-    data: DataSection,
-    train: TrainSection,
-    path: str | None,
-    key: str,
-    kind: str,
-    grad_accum: int,
-    rank: int,
-    world: int,
-    expect: dict,
-    unpad: bool,
-    read_retry: ReadRetry,
-):
-    if not path:
-        raise UserError(f"{key} is not set: give a directory of HDF5 shards (python -m data bert|gpt)")
-    if not Path(path).exists():
-        raise UserError(f"{key}={path}: directory does not exist")
-    return PretrainingLoader(
-        path,
-        kind,
-        micro_batch=train.micro_batch,
-        grad_accum=grad_accum,
-        dp_rank=rank,
-        dp_world=world,
-        seed=train.seed,
-        num_workers=data.num_workers,
-        prefetch_factor=data.prefetch,
-        expect=expect,
-        require_manifest=data.require_manifest,
-        unpad=unpad,
-        pin_memory=collectives.accelerator().device_name() == "cuda",  # pinned by the DataLoader's thread
-        read_retry=read_retry,
-    )
 
 
 def open_data(
@@ -140,8 +94,25 @@ def open_data(
         expect[fmt.hash_key] = vocab_sha
     unpad = plan.unpadded
     read_retry = ReadRetry(data.read_retries, read_retry_s)  # training and evaluation reads alike
-    loader = _open_loader(
-        data, train, data.train, "data.train", kind, grad_accum, rank, world, expect, unpad, read_retry
+    if not data.train:
+        raise UserError("data.train is not set: give a directory of HDF5 shards (python -m data bert|gpt)")
+    if not Path(data.train).exists():
+        raise UserError(f"data.train={data.train}: directory does not exist")
+    loader = PretrainingLoader(
+        data.train,
+        kind,
+        micro_batch=train.micro_batch,
+        grad_accum=grad_accum,
+        dp_rank=rank,
+        dp_world=world,
+        seed=train.seed,
+        num_workers=data.num_workers,
+        prefetch_factor=data.prefetch,
+        expect=expect,
+        require_manifest=data.require_manifest,
+        unpad=unpad,
+        pin_memory=collectives.accelerator().device_name() == "cuda",  # pinned by the DataLoader's thread
+        read_retry=read_retry,
     )
     eval_set = None
     if data.eval:
@@ -173,22 +144,6 @@ def model_spec(plan: StaticPlan, model: ModelSection, data: DataSection, shard_a
     return spec
 
 
-def run_identity(
-    spec, data: RunData, world: int, train: TrainSection, optimizer: OptimizerSection, resolved: dict[str, Any]
-):
-    """The run's identity (``training.checkpoint.resume.RunIdentity``), built here once: every checkpoint
-    records it and a resume is checked against it."""
-    return RunIdentity(
-        model_spec={**spec_to_dict(spec), "padded_vocab": spec.padded_vocab},
-        vocab_sha256=data.vocab_sha256,
-        world_size=world,
-        global_batch=train.global_batch,
-        optimizer=optimizer.name,
-        data_attrs=scalar_attrs(data.attrs),
-        config=resolved,
-    )
-
-
 def schedule_kwargs(schedule: ScheduleSection, total_steps: int) -> dict:
     """The schedule section's fields that the chosen schedule function takes, plus the total steps."""
     fields = {**dataclasses.asdict(schedule), "total_steps": total_steps}
@@ -212,8 +167,9 @@ def build_engine(
 
     from training.zero_init import build_partitioned, local_numel  # deferred: it imports DeepSpeed too
 
+    schedule_args = schedule_kwargs(schedule, train.steps)
     log.info(f"building {spec.name} and its optimizer")
-    seed_everything(train.seed)  # same initial weights on every rank
+    torch.manual_seed(train.seed)  # same initial weights on every rank (they draw from torch's RNG alone)
     device = collectives.accelerator().device_name()
     # the kernel that runs is resolved in the model's forward, from its runtime device and dtype; the trainer logs
     # it after the first step and records it (attention_kernel)
@@ -242,7 +198,7 @@ def build_engine(
         weight_decay=opt.weight_decay,
         trust_no_decay=opt.trust_no_decay,
     )
-    scheduler = build_scheduler(optimizer, schedule.kind, **schedule_kwargs(schedule, train.steps))
+    scheduler = build_scheduler(optimizer, schedule.kind, **schedule_args)
     log.info("initialising the DeepSpeed engine")
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
     attach_zero(engine)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.atomic import atomic_write_json
@@ -27,16 +28,24 @@ from common.log import get_logger
 from data.formats import ShardFormat
 from model.family import Family
 from model.flops import WorkCounter, training_flops_per_token
-from model.registry import ModelSpec, family_of, get_spec
+from model.registry import ModelSpec, family_of, get_spec, spec_to_dict
 from training import collectives, devices, events, ownership
 from training import engine as ds_engine
-from training.build import RunData, build_engine, check_run_dir, model_spec, open_data, run_identity
+from training.build import RunData, build_engine, check_run_dir, model_spec, open_data
 from training.checkpoint.checkpointer import Checkpointer
 from training.checkpoint.replicas import write_replica_digest
-from training.checkpoint.resume import ResumePoint
+from training.checkpoint.resume import ResumePoint, RunIdentity
 from training.checkpoint.safeload import restrict
 from training.clock import Clock, peak_memory_bytes, process_age_s
-from training.config import Config, DataSection, ModelSection, gradient_accumulation, read_retry_s
+from training.config import (
+    Config,
+    DataSection,
+    ModelSection,
+    OptimizerSection,
+    TrainSection,
+    gradient_accumulation,
+    read_retry_s,
+)
 from training.logbook import Logbook
 from training.metrics import RunFacts, summarize
 from training.optim.factory import attach_zero
@@ -170,6 +179,32 @@ def prepare(cfg: Config) -> Start | None:
         trainer.close()
         raise
     return Start(trainer, facts, ds_config, plan)
+
+
+def run_identity(
+    spec: ModelSpec, data: RunData, world: int, train: TrainSection, optimizer: OptimizerSection, resolved: dict
+) -> RunIdentity:
+    """The run's identity (``training.checkpoint.resume.RunIdentity``), built once per start: every checkpoint
+    records it and a resume is checked against it."""
+    return RunIdentity(
+        model_spec={**spec_to_dict(spec), "padded_vocab": spec.padded_vocab},
+        vocab_sha256=data.vocab_sha256,
+        world_size=world,
+        global_batch=train.global_batch,
+        optimizer=optimizer.name,
+        data_attrs=scalar_attrs(data.attrs),
+        config=resolved,
+    )
+
+
+def scalar_attrs(attrs: dict) -> dict:
+    """The shards' scalar attributes as plain JSON values (HDF5 gives numpy scalars)."""
+    out = {}
+    for k, v in attrs.items():
+        v = v.item() if isinstance(v, np.generic) else v
+        if isinstance(v, str | int | float | bool):
+            out[k] = v
+    return out
 
 
 def assemble(

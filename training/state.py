@@ -2,10 +2,10 @@
 
 Built before both the trainer and the checkpointer: the trainer advances it step by step, the checkpointer saves
 it (``state_dict``) and restores it (``load_state_dict``), and neither needs the other to be built. Its parts:
-the step, samples, tokens and FLOPs counted so far, and the data position (the training loader's, attached once
-the data is open). The RNG states are saved beside it, one file per rank (``rng_rank{R}.pt``, written and read
-by ``training.checkpoint.storage``), and re-seeded from the step where they cannot carry over (``reseed``: a
-resume at another world size).
+the step, samples, tokens and FLOPs counted so far, the data position (the training loader's, attached once the
+data is open) and this rank's RNG states. The checkpointer keeps the RNG states out of the client state that
+every rank shares: they go to a file of this rank's (``rng_rank{R}.pt``, ``training.checkpoint.storage``), and
+where they cannot carry over (a resume at another world size) the streams are re-seeded from the step.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from common.log import get_logger
+from training import collectives
 
 log = get_logger("train")
 
@@ -27,6 +28,26 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's RNG states: Python's, numpy's, torch's and, off the CPU, the accelerator's."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    acc = collectives.accelerator()
+    if acc.device_name() != "cpu":  # CUDA, HPU, ...: through DeepSpeed's accelerator abstraction
+        states["accelerator"] = acc.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Continue the RNG streams ``rng_states`` returned (one saved before the accelerator abstraction too)."""
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    acc = collectives.accelerator()
+    device_state = states.get("accelerator", states.get("cuda"))  # "cuda": checkpoints before the abstraction
+    if device_state is not None and acc.device_name() != "cpu":
+        acc.set_rng_state(device_state)
 
 
 @dataclass
@@ -52,12 +73,13 @@ class TrainState:
         return {"step": self.step, "samples": self.samples, "tokens": self.tokens, "flops": self.flops}
 
     def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint's client state holds of it: the counters and the data position."""
-        return {**self.to_dict(), "loader": self.loader.state_dict()}
+        """What a checkpoint holds of it: the counters, the data position and (``rng``) this rank's RNG states."""
+        return {**self.to_dict(), "loader": self.loader.state_dict(), "rng": rng_states()}
 
     def load_state_dict(self, client: dict[str, Any]) -> None:
         """Continue from a checkpoint's client state (``state_dict``'s keys; one from before FLOPs were counted
-        too)."""
+        too). Without ``rng`` (a resume at another world size: no rank's streams carry over) every stream is
+        re-seeded from the step, as ``reseed`` does."""
         self.step, self.samples, self.tokens = client["step"], client["samples"], client["tokens"]
         self.flops = float(client.get("flops", 0.0))
         if "flops" not in client:  # a checkpoint from before the counting convention (training.metrics)
@@ -66,6 +88,10 @@ class TrainState:
                 "run's tokens count padding up to it, computed tokens after it, and its FLOPs start here"
             )
         self.loader.load_state_dict(client["loader"])
+        if client.get("rng") is not None:
+            set_rng_states(client["rng"])
+        else:
+            self.reseed(self.step)
 
     def reseed(self, step: int) -> None:
         """This rank's RNG streams from ``step``, where the saved ones cannot carry over (another world size)."""

@@ -104,10 +104,8 @@ class Checkpointer:
         self.engine, self.identity, self.log = engine, identity, events_to
         point = self.point
         if point is not None:
-            self._restore(point)
-            self.state.load_state_dict(point.saved)  # the counters and the data position, after the engine
-            if point.universal:  # per-rank RNG streams cannot carry over to another world size: from the step
-                self.state.reseed(point.saved["step"])
+            rng = self._restore(point)  # None at another world size: per-rank streams re-seed from the step
+            self.state.load_state_dict({**point.saved, "rng": rng})  # after the engine
         elif init_from is not None:
             self._initialise_from(init_from)
 
@@ -227,10 +225,11 @@ class Checkpointer:
         t1 = time.perf_counter()
         assert self.identity is not None  # given by load()
         progress = self.state.state_dict()
+        rng = progress.pop("rng")  # this rank's: a file of its own, beside the client state every rank shares
         client = {**self.identity.to_dict(), **progress}
         counted: dict[str, float] = {k: progress[k] for k in ("tokens", "flops") if k in progress}  # for segments
         if background:
-            pending = saving.save_in_background(self.engine, self.dir, step, client, self.host_buffers)
+            pending = saving.save_in_background(self.engine, self.dir, step, client, rng, self.host_buffers)
             pending.counted = counted
             tag = pending.tag
         else:
@@ -239,6 +238,7 @@ class Checkpointer:
                 self.dir,
                 step,
                 client,
+                rng,
                 self.cfg.keep,
                 on_commit=lambda tag: self._record(step, tag, time.perf_counter() - t0, **counted),
             )
@@ -329,9 +329,9 @@ class Checkpointer:
             self._committed(pending)
 
     # ------------------------------------------------------------------ loading
-    def _restore(self, point: ResumePoint) -> None:
-        """check -> convert -> load -> hooks: continue a run's engine from ``point`` on every rank (``load`` then
-        restores the trainer's state, and re-seeds it at another world size).
+    def _restore(self, point: ResumePoint) -> dict[str, Any] | None:
+        """check -> convert -> load -> hooks: continue a run's engine from ``point`` on every rank; returns this
+        rank's saved RNG states (None from a universal checkpoint), which ``load`` gives the trainer's state.
 
         The learning rate of the first resumed step comes from this run's schedule (which may be longer than
         the saved run's), not from the rate stored in the optimizer state.
@@ -340,13 +340,14 @@ class Checkpointer:
         check_compatible(point.saved, self.identity, point.ckpt_dir / point.tag)
         wait_s = self.cfg.convert_timeout_s
         tag = to_universal(point.ckpt_dir, point.tag, wait_s) if point.universal else point.tag
-        load(self.engine, point.ckpt_dir, tag)
+        rng = load(self.engine, point.ckpt_dir, tag)
         for hook in self.after_load:  # the optimizer was loaded: e.g. LANS's per-tensor layout, from its links
             hook(self.engine)
         if self.engine.lr_scheduler is not None:
             rates_at_current_step(self.engine.lr_scheduler)
         self.last_saved = point.saved["step"]
         log.info(f"resumed from {point.ckpt_dir / tag} at step {point.saved['step']}")
+        return rng
 
     def _initialise_from(self, path: Path) -> None:
         """Phase 2: this checkpoint's weights, with a fresh optimizer, step count and schedule."""

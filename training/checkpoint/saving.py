@@ -42,7 +42,6 @@ from training.checkpoint.storage import (
     fsync_tree,
     incomplete_tags,
     read_latest,
-    rng_state,
     tag_files,
     tag_for,
 )
@@ -53,8 +52,17 @@ tags are removed and before the ranks vote on the commit. The run's ``checkpoint
 that neither a peer lost in that vote nor a failure after the rename leaves a resumable tag without its event."""
 
 
-def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: int, on_commit: OnCommit = None) -> str:
-    """Save on every rank; commit (COMPLETE, then ``latest``) only when every rank has written its part."""
+def save(
+    engine,
+    ckpt_dir: Path,
+    step: int,
+    client_state: dict[str, Any],
+    rng: dict[str, Any],
+    keep: int,
+    on_commit: OnCommit = None,
+) -> str:
+    """Save on every rank; commit (COMPLETE, then ``latest``) only when every rank has written its part.
+    ``client_state`` is every rank's (rank 0 writes it), ``rng`` this rank's RNG states (``rng_rank{R}.pt``)."""
     tag = tag_for(step)
     rank = collectives.rank()
     extra = _start_save(engine, ckpt_dir, tag, rank)
@@ -68,7 +76,7 @@ def save(engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], keep: 
         if guard.error is not None:
             raise guard.error
         with atomic_path(ckpt_dir / tag / f"rng_rank{rank}.pt") as tmp:
-            torch.save(rng_state(), tmp)
+            torch.save(rng, tmp)
         if rank == 0:
             atomic_write_json(ckpt_dir / tag / "client_state.json", {"format": FORMAT, **client_state})
         fsync_tree(ckpt_dir / tag, rank)  # this rank's files are on disk before it votes to commit
@@ -360,7 +368,12 @@ class BackgroundSave:
 
 
 def save_in_background(
-    engine, ckpt_dir: Path, step: int, client_state: dict[str, Any], buffers: HostBuffers | None = None
+    engine,
+    ckpt_dir: Path,
+    step: int,
+    client_state: dict[str, Any],
+    rng: dict[str, Any],
+    buffers: HostBuffers | None = None,
 ) -> BackgroundSave:
     """Start a save whose files are written while training goes on. The training stall is DeepSpeed's own
     save with its writes replaced by copies to host memory (``buffers``, reused from save to save; the
@@ -380,7 +393,6 @@ def save_in_background(
             engine.save_checkpoint(
                 str(ckpt_dir), tag=tag, client_state={"client": client_state, **extra}, save_latest=False
             )
-        rng = rng_state()
     except BaseException:
         copies.release()  # no writer will: the next save gets the pool back
         raise

@@ -24,7 +24,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import re
 import secrets
 import shutil
@@ -35,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from common.atomic import atomic_write_text
@@ -196,24 +194,6 @@ def resolve(path: Path, what: str) -> tuple[Path, str]:
     return path, tag
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    acc = collectives.accelerator()
-    if acc.device_name() != "cpu":  # CUDA, HPU, ...: through DeepSpeed's accelerator abstraction
-        state["accelerator"] = acc.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    acc = collectives.accelerator()
-    device_state = state.get("accelerator", state.get("cuda"))  # "cuda": checkpoints before the abstraction
-    if device_state is not None and acc.device_name() != "cpu":
-        acc.set_rng_state(device_state)
-
-
 def describe_write_error(e: BaseException, ckpt_dir: Path) -> str:
     """One line for a failed checkpoint write; says "the disk is full" when it is (torch.save reports ENOSPC
     as an opaque zip-writer RuntimeError)."""
@@ -328,10 +308,11 @@ def _convert(ckpt_dir: Path, tag: str, out: Path) -> None:
     log.info(f"converted {ckpt_dir / tag} in {time.monotonic() - t0:.1f} s")
 
 
-def load(engine, ckpt_dir: Path, tag: str, *, module_only: bool = False) -> None:
-    """Load a complete tag into the engine (all ranks); restores this rank's RNG states unless module_only.
+def load(engine, ckpt_dir: Path, tag: str, *, module_only: bool = False) -> dict[str, Any] | None:
+    """Load a complete tag into the engine (all ranks); returns this rank's RNG states (its ``rng_rank{R}.pt``)
+    for the trainer's state to continue, unless module_only.
 
-    A universal tag (another world size) has no per-rank RNG states to restore: the caller re-seeds.
+    A universal tag (another world size) has no per-rank RNG states: None, and the trainer's state re-seeds.
     """
     with refusing(ckpt_dir / tag):  # every load restricted (training.checkpoint.safeload): a refusal is one line
         load_path, _ = engine.load_checkpoint(
@@ -348,5 +329,5 @@ def load(engine, ckpt_dir: Path, tag: str, *, module_only: bool = False) -> None
         if not rng_file.exists():
             raise UserError(f"{rng_file} is missing: this checkpoint was written by a different world size")
         with refusing(rng_file):
-            state = torch.load(rng_file, weights_only=True)
-        set_rng_state(state)
+            return torch.load(rng_file, weights_only=True)
+    return None
