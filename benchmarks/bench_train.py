@@ -8,10 +8,10 @@ sequence length, BF16, AdamW (the Trainer's default optimizer, ``adamw_torch_fus
 0.01, gradient clipping 1.0, one DataLoader worker, one process with the same torch thread count.
 
 * ours: ``train.py`` on one process (DeepSpeed ZeRO stage 0, which runs as stage 1 under BF16), started
-  through ``benchmarks/bench_train_ours.py`` (train.py unchanged, plus the CPU time of its throughput
-  window); the figure is ``sequences_per_sec`` of RUN_DIR/summary.json (steps after ``--warmup`` excluded);
-  MFU against the CPU matmul peak ``train.py`` uses (``peak_flops_per_device``: the fastest of the run's
-  compute dtypes, cached).
+  through ``benchmarks/bench_train_ours.py`` (train.py's start, ``training.start.run``, unchanged, plus the CPU
+  time of its throughput window); the figure is ``sequences_per_sec`` of RUN_DIR/summary.json (steps after
+  ``--warmup`` excluded); MFU against the CPU matmul peak ``train.py`` uses (``peak_flops_per_device``: the
+  fastest of the run's compute dtypes, cached).
 * peer: ``benchmarks/bench_train_hf.py``: ``Trainer`` with ``BertForPreTraining`` (MLM head over every
   position) or ``GPTNeoXForCausalLM`` (``labels=input_ids``), timed by a callback from the end of step
   ``--warmup`` to the end of the last step.

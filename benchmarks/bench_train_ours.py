@@ -1,7 +1,8 @@
-"""``train.py`` unchanged, plus the process CPU time of its throughput window (for ``bench_train.py``).
+"""Our run as ``train.py`` starts it, plus the process CPU time of its throughput window (for ``bench_train.py``).
 
 On a CPU shared with other jobs, wall-clock throughput moves with their load; the CPU time this process
-spent in the measured steps moves much less. This wrapper runs ``train.main`` in-process and adds up
+spent in the measured steps moves much less. This wrapper runs the start ``train.py`` runs
+(``training.start.run``, with ``train.py``'s arguments and one-line errors) in-process and adds up
 ``time.process_time()`` over every interval the Trainer's ``Clock`` holds its throughput window open (from
 ``Clock.open()`` to ``Clock.close()``: the measured training steps, with evaluation, saving and logging paused
 out of it; the same window as ``sequences_per_sec`` in summary.json), then writes RUN_DIR/bench_cpu.json on
@@ -13,31 +14,11 @@ rank 0, with the host syncs per measured step (CUDA) and the mean optimizer-step
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
 import os
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def import_train() -> ModuleType:
-    """The checkout's ``train.py`` as module ``train``: a script beside the installed packages, not one of them,
-    so it is loaded from its path (once; the same module where ``train`` is importable already)."""
-    if "train" in sys.modules:
-        return sys.modules["train"]
-    spec = importlib.util.spec_from_file_location("train", REPO / "train.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["train"] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules["train"]
-        raise
-    return module
 
 
 class StepProbe:
@@ -143,23 +124,40 @@ def time_clock_window(probe: StepProbe) -> dict[str, float]:
     return window
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """``train.py``'s arguments."""
+    p = argparse.ArgumentParser(description="train.py's run, with its throughput window's CPU time")
+    p.add_argument("--config", default=None, help="as train.py's")
+    p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    p.add_argument("overrides", nargs="*", help="dotted overrides, as train.py's")
+    return p.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
-    import torch
+    args = parse_args(argv)
+    import torch  # on call, as train.py: --help answers without torch
 
     from common.atomic import atomic_write_json
-
-    train = import_train()
+    from common.errors import EXIT_USER_ERROR, UserError
+    from common.process import end_process_group
+    from training import ownership, start
+    from training.config import load_config
 
     probe = StepProbe(cuda=torch.cuda.is_available())  # train.py's accelerator is CUDA wherever torch sees one
     window = time_clock_window(probe)
-    args = train.parse_args(argv)
-    rc = train.main(argv)
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(cfg.run.dir)
+    try:
+        rc = start.run(cfg)
+    except UserError as e:  # a benchmark's run that is refused or runs out of memory: train.py's one line
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        rc = EXIT_USER_ERROR
+    finally:
+        ownership.release(run_dir)  # as train.py's main: the owner's mark, after rank 0's last write
+        end_process_group()
     if rc == 0 and int(os.environ.get("RANK", "0")) == 0 and window["wall_s"] > 0:
         import json
 
-        from training.config import load_config
-
-        run_dir = Path(load_config(args.config, args.overrides).run.dir)
         steps = int(json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))["measured_steps"])
         atomic_write_json(run_dir / "bench_cpu.json", {**window, **probe.result(steps)})
     return rc

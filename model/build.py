@@ -11,7 +11,7 @@ from torch import nn
 
 from common.errors import UserError
 from model.compile import compile_blocks
-from model.family import ParamRole
+from model.family import Family, ParamRole
 from model.registry import REGISTRY, ModelSpec, family_of, get_spec
 
 
@@ -24,6 +24,7 @@ def build_model(
     unpad: bool | None = None,
     unpad_kernel: str | None = None,
     compile: bool = False,
+    family: Family | None = None,
 ) -> nn.Module:
     """Construct the family's pre-training model (``Family.build``). ``device="meta"`` builds shapes only (any
     size, no memory).
@@ -33,10 +34,12 @@ def build_model(
     default (what ``Family.unpadded(True)`` says). ``unpad_kernel``: then the attention kernel over the packed
     tokens (None: the device's default).
     ``compile``: ``model.compile``, its transformer blocks compiled as it is built (``model.compile``).
+    ``family``: the spec's family record where the caller holds it already (a run's plan); None: looked up.
     """
     if isinstance(spec, str):
         spec = get_spec(spec)
-    family = family_of(spec)
+    if family is None:
+        family = family_of(spec)
     with torch.device(device):
         unpadded = family.unpads if unpad is None else unpad  # Family.unpadded(True), not asked again
         model = family.build(spec, attention, unpad=unpadded, unpad_kernel=unpad_kernel)

@@ -179,6 +179,7 @@ def build_engine(
         "unpad": plan.unpadded,
         "unpad_kernel": plan.unpad_kernel,
         "compile": compile_wanted(model_cfg.compile, device),
+        "family": plan.family,
     }
     if ds_config["zero_optimization"]["stage"] == 3:  # each rank holds only its partition
         model = build_partitioned(spec, ds_config, **build)

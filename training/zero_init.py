@@ -31,21 +31,26 @@ from transformers.initialization import guard_torch_init_functions, no_init_weig
 
 from common.errors import UserError
 from model.build import build_model
+from model.family import Family
 from model.registry import family_of, get_spec
 from training import collectives
 
 
-def build_partitioned(spec: Any, ds_config: dict[str, Any], **build_kwargs: Any) -> nn.Module:
+def build_partitioned(
+    spec: Any, ds_config: dict[str, Any], *, family: Family | None = None, **build_kwargs: Any
+) -> nn.Module:
     """Build ``spec`` under ``deepspeed.zero.Init`` (with this run's DeepSpeed config) and initialise it with
-    its ``transformers`` model's own initialisation (``Family.transformers_model``)."""
+    its ``transformers`` model's own initialisation (``Family.transformers_model``); ``family``: the spec's
+    record where the caller holds it (a run's plan), else looked up."""
     if isinstance(spec, str):
         spec = get_spec(spec)
-    family = family_of(spec)
+    if family is None:
+        family = family_of(spec)
     if family.transformers_model is None:
         raise UserError(f"deepspeed.zero_stage=3: {family.title} models have no transformers model to initialise")
     with large_blocks_returned():
         with no_init_weights(), _arange_keeps_its_dtype(), deepspeed.zero.Init(config_dict_or_path=ds_config):
-            model = build_model(spec, **build_kwargs)
+            model = build_model(spec, family=family, **build_kwargs)
         hf: Any = family.transformers_model(model)
         initialise_gathered(hf)
         hf.tie_weights()
