@@ -307,3 +307,50 @@ def test_a_node_of_a_requeued_elastic_job_joins_the_mark_its_host_takes_while_it
     threading.Timer(0.5, ownership._replace, (tmp_path / "another_job", other)).start()
     with pytest.raises(ownership.RunOwned, match="is owned by a live job"):
         ownership.joinable([tmp_path / "another_job"], STALE_S, job, rendezvous)
+
+
+def test_a_renewal_never_writes_over_a_takeover_that_came_between_its_read_and_its_write(tmp_path) -> None:
+    """The holder's renewal and a newcomer's ``run.takeover`` claim the same mark the same way (``_claim``): a
+    renewal whose read came before the newcomer's write leaves the newcomer's mark; a breaker holding the claim
+    makes the renewal wait a period; a claim left by a breaker that died is removed and renewals go on."""
+    d = tmp_path / "run"
+    d.mkdir()
+    ours = ownership.new_mark("holder", "train.py", STALE_S, None)
+    assert ownership._create(d, ours)
+    holding = ownership.Holding("holder", [d], owned=True)
+    # 1. read, then a newcomer breaks the mark, then the renewal's write: the newcomer's mark stays
+    seen = ownership.read_mark(d)
+    newcomer = ownership.new_mark("newcomer", "train.py", STALE_S, None)
+    assert ownership._break(d, ownership.read_mark(d), newcomer)
+    assert not holding._renew_one(d, seen, replace(ours, renewals=1))
+    assert ownership.read_mark(d).mark.token == "newcomer"
+    assert sorted(p.name for p in d.iterdir()) == [ownership.MARK]  # no claim left behind
+    # 2. a breaker holds the claim (mid-break): the renewal skips a period; held a period later (a breaker that
+    #    died), the claim is removed and the period after renews
+    ownership._replace(d, ours)
+    seen = ownership.read_mark(d)
+    stuck = ownership._claim(d, seen)
+    stuck.hardlink_to(d / ownership.MARK)
+    assert not holding._renew_one(d, seen, replace(ours, renewals=1))
+    assert ownership.read_mark(d).raw == seen.raw and stuck.exists()
+    assert not holding._renew_one(d, seen, replace(ours, renewals=1))
+    assert not stuck.exists()
+    assert holding._renew_one(d, seen, replace(ours, renewals=1))
+    assert ownership.read_mark(d).mark.renewals == 1
+    assert sorted(p.name for p in d.iterdir()) == [ownership.MARK]
+
+
+def test_a_checkpoint_dir_that_reaches_the_run_dir_through_a_link_is_one_directory(tmp_path) -> None:
+    """``checkpoint.dir`` given as a symbolic link to ``run.dir`` (or as another spelling of it) holds one mark,
+    taken and released once."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "ckpt").symlink_to(run)
+    spelled = tmp_path / "x" / ".." / "run"
+    assert ownership.unique_dirs([run, tmp_path / "ckpt", spelled]) == [run]
+    holding = ownership.acquire([run, tmp_path / "ckpt"], stale_s=STALE_S, takeover=False, role="test")
+    try:
+        assert holding.dirs == [run] and ownership.read_mark(run).mark.token == holding.token
+    finally:
+        holding.release(None)
+    assert not (run / ownership.MARK).exists()

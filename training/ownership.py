@@ -306,25 +306,15 @@ def _replace(directory: Path, mark: Mark) -> None:
     os.replace(tmp, directory / MARK)
 
 
-def _break(directory: Path, seen: Seen, mark: Mark) -> bool:
-    """Replace the mark judged (``seen``) by ``mark``, unless another newcomer breaks it first or it changed
-    since: the breaker claims that very file with a hard link, which only one can make."""
+def _claim(directory: Path, seen: Seen) -> Path:
+    """The name that claims the mark judged (``seen``) for one writer: a newcomer breaking it or its holder
+    renewing it. Each claims that very file with a hard link of this name, which only one can make."""
     assert seen.raw is not None
-    claim = directory / f"{MARK}.broken-{hashlib.sha256(seen.raw).hexdigest()[:16]}"
-    for _ in range(2):
-        try:
-            os.link(directory / MARK, claim)
-            break
-        except FileNotFoundError:
-            return False  # released meanwhile: judge again
-        except FileExistsError:  # another breaker (done in milliseconds), or one that died while breaking
-            time.sleep(1.0)
-            if read_mark(directory).raw != seen.raw:
-                return False
-            with contextlib.suppress(FileNotFoundError):
-                claim.unlink()
-    else:
-        return False
+    return directory / f"{MARK}.claim-{hashlib.sha256(seen.raw).hexdigest()[:16]}"
+
+
+def _write_claimed(directory: Path, claim: Path, seen: Seen, mark: Mark) -> bool:
+    """Once ``claim`` is made: ``mark`` over the mark, unless the mark claimed is no longer the one judged."""
     try:
         if claim.read_bytes() != seen.raw:
             return False
@@ -333,6 +323,27 @@ def _break(directory: Path, seen: Seen, mark: Mark) -> bool:
     finally:
         with contextlib.suppress(FileNotFoundError):
             claim.unlink()
+
+
+def _break(directory: Path, seen: Seen, mark: Mark) -> bool:
+    """Replace the mark judged (``seen``) by ``mark``, unless another newcomer breaks it first, its holder
+    renews it meanwhile, or it changed since (``_claim``)."""
+    claim = _claim(directory, seen)
+    for _ in range(2):
+        try:
+            os.link(directory / MARK, claim)
+            break
+        except FileNotFoundError:
+            return False  # released meanwhile: judge again
+        except FileExistsError:  # another breaker or a renewal (done in milliseconds), or one that died
+            time.sleep(1.0)
+            if read_mark(directory).raw != seen.raw:
+                return False
+            with contextlib.suppress(FileNotFoundError):
+                claim.unlink()
+    else:
+        return False
+    return _write_claimed(directory, claim, seen, mark)
 
 
 def _remove_if(directory: Path, token: str) -> None:
@@ -357,6 +368,7 @@ class Holding:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._marks: dict[Path, Mark] = {}
+        self._waited: dict[Path, bytes] = {}  # a mark whose claim another writer held at the last renewal
 
     def start_renewing(self, marks: dict[Path, Mark]) -> None:
         self._marks = dict(marks)
@@ -375,10 +387,28 @@ class Holding:
                         self.lost = self._line(d, seen)
                         return
                     mark = replace(mark, renewals=mark.renewals + 1, renewed=time.time())
-                    _replace(d, mark)
-                    self._marks[d] = mark
+                    if self._renew_one(d, seen, mark):
+                        self._marks[d] = mark
                 except OSError as e:  # the next period tries again; a newcomer waits out the bound first
                     log.warning(f"{d}: could not renew the owner's mark ({e.strerror or e})")
+
+    def _renew_one(self, d: Path, seen: Seen, mark: Mark) -> bool:
+        """Write the renewed ``mark`` over the one read (``seen``), claimed as a newcomer claims it to break it
+        (``_claim``): a renewal never writes over a newcomer's mark that replaced this one since it was read.
+        A claim held by another writer skips this period (a newcomer breaking the mark: the next period finds
+        its token); held still at the next period, it is a breaker's that died, and is removed."""
+        claim = _claim(d, seen)
+        try:
+            os.link(d / MARK, claim)
+        except FileExistsError:
+            if self._waited.get(d) != seen.raw:
+                self._waited[d] = seen.raw or b""
+                return False
+            claim.unlink(missing_ok=True)  # a breaker that died holding it: this renewal claims it next period
+            self._waited.pop(d, None)
+            return False
+        self._waited.pop(d, None)
+        return _write_claimed(d, claim, seen, mark)
 
     def _line(self, d: Path, seen: Seen) -> str:
         who = f"by another job ({seen.mark.describe()})" if seen.mark else "(its mark was removed)"
@@ -462,10 +492,12 @@ def release(run_dir: Path | None = None) -> None:
 
 
 def unique_dirs(dirs: Sequence[Path]) -> list[Path]:
+    """``dirs`` less those that reach a directory named before (a ``checkpoint.dir`` that is ``run.dir``, by
+    another spelling or through a symbolic link): one mark each."""
     out: list[Path] = []
     seen: set[Path] = set()
     for d in dirs:
-        key = Path(os.path.abspath(d))
+        key = Path(os.path.realpath(d))
         if key not in seen:
             seen.add(key)
             out.append(d)
