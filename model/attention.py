@@ -281,11 +281,18 @@ def check_flash_inputs(op: str, cu_seqlens: torch.Tensor, q: torch.Tensor, *othe
     )
 
 
+_flash_state_dtype = torch.uint64
+"""The dtype of the philox state the flash forward returned last (uint64 from torch 2.7, int64 before): the
+backward gives the state back to the kernel in it."""
+
+
 def _flash_forward(q, k, v, cu, max_seqlen: int, p: float):
+    global _flash_state_dtype
     check_flash_inputs(OP, cu, q, k, v)
     out, lse, rng_state, unused, _ = _aten._flash_attention_forward(
         q, k, v, cu, cu, max_seqlen, max_seqlen, p, False, False, scale=_scale(q.size(-1))
     )
+    _flash_state_dtype = rng_state.dtype
     if p <= 0:  # no dropout: the kernel leaves them unwritten; zeros keep the outputs a function of the inputs
         rng_state, unused = torch.zeros_like(rng_state), torch.zeros_like(unused)
     return out.contiguous(), lse, _as_int64(rng_state), _as_int64(unused)
@@ -347,7 +354,7 @@ def varlen_attn_backward(
 
 def _flash_backward(grad, q, k, v, out, lse, rng_state, unused, cu, max_seqlen: int, p: float):
     check_flash_inputs(BACKWARD_OP, cu, q, k, v, out, grad)
-    state = (x.view(torch.uint64) for x in (rng_state, unused))  # back to the kernel's own uint64
+    state = (x.view(_flash_state_dtype) for x in (rng_state, unused))  # back to the kernel's own dtype
     args = (grad.contiguous(), q, k, v, out, lse, cu, cu, max_seqlen, max_seqlen, p, False, *state)
     dq, dk, dv = _aten._flash_attention_backward(*args, scale=_scale(q.size(-1)))
     return dq.contiguous(), dk.contiguous(), dv.contiguous()

@@ -174,12 +174,13 @@ def test_opcheck(dropout_p: float) -> None:
     assert torch.Tag.nondeterministic_seeded in torch.ops.wikipretrain.varlen_attn.default.tags
 
 
-def test_the_cuda_branch_calls_flash_as_its_schema_says(monkeypatch) -> None:
+@pytest.mark.parametrize("kernel_state", [torch.uint64, torch.int64], ids=["torch>=2.7", "torch<2.7"])
+def test_the_cuda_branch_calls_flash_as_its_schema_says(monkeypatch, kernel_state) -> None:
     """On fake CUDA tensors (BF16, 40 tokens in 5 sequences, 4 heads of 64): the forward passes q, k, v,
     cu_seqlens twice, the host maximum twice, dropout_p, not causal, no debug mask and the scale; the backward
     passes the incoming gradient, q, k, v, the forward's output, logsumexp, cu_seqlens, the maxima, dropout_p and
-    the forward's rng_state and unused (out as int64, back as the kernel's uint64), and returns gradients shaped
-    as q, k and v."""
+    the forward's rng_state and unused (out as int64, back in the kernel's own dtype: uint64 from torch 2.7,
+    int64 before, as a forward returning int64 stands for here), and returns gradients shaped as q, k and v."""
     calls: list[tuple[str, tuple, dict]] = []
 
     def recorded(name: str):
@@ -187,7 +188,10 @@ def test_the_cuda_branch_calls_flash_as_its_schema_says(monkeypatch) -> None:
 
         def call(*args, **kwargs):
             calls.append((name, args, kwargs))
-            return real(*args, **kwargs)
+            out = real(*args, **kwargs)
+            if name == "_flash_attention_forward":  # the philox state as this torch's kernel returns it
+                out = (*out[:2], *(x.view(kernel_state) for x in out[2:4]), *out[4:])
+            return out
 
         return call
 
@@ -209,9 +213,9 @@ def test_the_cuda_branch_calls_flash_as_its_schema_says(monkeypatch) -> None:
     assert fwd[5:] == (longest, longest, p, False, False) and fwd_kw == {"scale": dim**-0.5}
     assert bwd[0] is grad and bwd[1] is q and bwd[2] is k and bwd[3] is v and bwd[4] is out and bwd[5] is lse
     assert bwd[6] is cu and bwd[7] is cu and bwd[8:12] == (longest, longest, p, False)
-    # the philox state goes out as int64 (torch supports few uint64 operations) and back as the kernel's uint64
+    # the philox state goes out as int64 (torch supports few uint64 operations) and back in the kernel's dtype
     assert rng_state.dtype == unused.dtype == torch.int64 and bwd_kw == {"scale": dim**-0.5}
-    assert (bwd[12].dtype, bwd[12].shape, bwd[13].dtype, bwd[13].shape) == (torch.uint64, (2,), torch.uint64, ())
+    assert (bwd[12].dtype, bwd[12].shape, bwd[13].dtype, bwd[13].shape) == (kernel_state, (2,), kernel_state, ())
     assert out.shape == (t, heads, dim) and out.dtype == torch.bfloat16 and out.device.type == "cuda"
     assert lse.shape == (heads, t) and lse.dtype == torch.float32
     assert all(g.shape == q.shape and g.dtype == q.dtype and g.device.type == "cuda" for g in (dq, dk, dv))
