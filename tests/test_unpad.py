@@ -332,3 +332,22 @@ def test_qkv_is_one_matmul_over_the_same_parameters(batch):
     assert abs(fused_loss - loss) < 1e-12 * abs(loss)
     assert max(_errors(fused_grads, grads).values()) < 1e-10
     assert [n for n, _ in model.named_parameters()] == names
+
+
+def test_varlen_asked_where_it_cannot_run_is_refused_at_the_start_in_one_line() -> None:
+    """``model.unpad_attention=varlen`` on CUDA in FP32, or with a head size flash does not take, is refused as
+    the engine is built (one line naming the setting and what would run), not by a traceback at the first
+    forward; on the CPU, and for the other kernels, nothing is refused."""
+    from common.errors import UserError
+    from training.build import check_unpad_kernel
+
+    spec = get_spec("bert-debug")
+    fp32, bf16 = {"bf16": {"enabled": False}}, {"bf16": {"enabled": True}}
+    with pytest.raises(UserError, match=r"^model.unpad_attention=varlen: .* not cuda torch.float32 .*: use padded$"):
+        check_unpad_kernel("varlen", "cuda", fp32, spec)
+    odd = BertSpec(**{**spec.__dict__, "hidden": 60 * spec.heads})
+    with pytest.raises(UserError, match=r"head size 60: use padded$"):
+        check_unpad_kernel("varlen", "cuda", bf16, odd)
+    check_unpad_kernel("varlen", "cpu", fp32, spec)
+    for kernel in (None, "padded", "jagged"):
+        check_unpad_kernel(kernel, "cuda", fp32, spec)

@@ -24,6 +24,7 @@ from model.build import build_model
 from model.compile import compiled_modules
 from model.compile import wanted as compile_wanted
 from model.registry import with_fields
+from model.unpad import resolve_kernel
 from training import collectives
 from training.config import DataSection, ModelSection, OptimizerSection, ScheduleSection, TrainSection
 from training.optim.factory import attach_zero, build_optimizer, param_groups
@@ -151,6 +152,19 @@ def schedule_kwargs(schedule: ScheduleSection, total_steps: int) -> dict:
     return {k: v for k, v in fields.items() if k in accepted and k != "step"}
 
 
+def check_unpad_kernel(kernel: str | None, device: str, ds_config: dict[str, Any], spec) -> None:
+    """``model.unpad_attention=varlen`` asked for where it cannot run (CUDA in FP32, an older card, an odd head
+    size): refused at the start in one line, not at the first forward."""
+    if kernel != "varlen":
+        return
+    halves = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    dtype = next((d for key, d in halves.items() if ds_config.get(key, {}).get("enabled")), torch.float32)
+    try:
+        resolve_kernel(kernel, device, dtype, spec.hidden // spec.heads)
+    except ValueError as e:
+        raise UserError(f"model.unpad_attention=varlen: {e}") from None
+
+
 def build_engine(
     model_cfg: ModelSection,
     opt: OptimizerSection,
@@ -171,6 +185,7 @@ def build_engine(
     log.info(f"building {spec.name} and its optimizer")
     torch.manual_seed(train.seed)  # same initial weights on every rank (they draw from torch's RNG alone)
     device = collectives.accelerator().device_name()
+    check_unpad_kernel(plan.unpad_kernel, device, ds_config, spec)
     # the kernel that runs is resolved in the model's forward, from its runtime device and dtype; the trainer logs
     # it after the first step and records it (attention_kernel)
     build: dict[str, Any] = {
