@@ -309,35 +309,53 @@ def test_a_node_of_a_requeued_elastic_job_joins_the_mark_its_host_takes_while_it
         ownership.joinable([tmp_path / "another_job"], STALE_S, job, rendezvous)
 
 
-def test_a_renewal_never_writes_over_a_takeover_that_came_between_its_read_and_its_write(tmp_path) -> None:
-    """The holder's renewal and a newcomer's ``run.takeover`` claim the same mark the same way (``_claim``): a
-    renewal whose read came before the newcomer's write leaves the newcomer's mark; a breaker holding the claim
-    makes the renewal wait a period; a claim left by a breaker that died is removed and renewals go on."""
+def test_renewals_releases_and_takeovers_claim_the_mark_they_read(tmp_path, monkeypatch) -> None:
+    """The holder's renewal and release and a newcomer's ``run.takeover`` claim the mark they read the same way
+    (``_claim``): a renewal whose read came before the newcomer's write leaves the newcomer's mark; a claim
+    another writer holds makes a renewal wait, and a release leave the mark to it; a claim held past
+    ``DEAD_CLAIM_S`` (its writer died) is removed and renewals go on; a writer whose claim was taken from it
+    writes nothing."""
+    monkeypatch.setattr(ownership, "DEAD_CLAIM_S", 0.5)
     d = tmp_path / "run"
     d.mkdir()
     ours = ownership.new_mark("holder", "train.py", STALE_S, None)
     assert ownership._create(d, ours)
     holding = ownership.Holding("holder", [d], owned=True)
+
+    def names() -> list[str]:
+        return sorted(p.name for p in d.iterdir())
+
     # 1. read, then a newcomer breaks the mark, then the renewal's write: the newcomer's mark stays
     seen = ownership.read_mark(d)
     newcomer = ownership.new_mark("newcomer", "train.py", STALE_S, None)
     assert ownership._break(d, ownership.read_mark(d), newcomer)
     assert not holding._renew_one(d, seen, replace(ours, renewals=1))
-    assert ownership.read_mark(d).mark.token == "newcomer"
-    assert sorted(p.name for p in d.iterdir()) == [ownership.MARK]  # no claim left behind
-    # 2. a breaker holds the claim (mid-break): the renewal skips a period; held a period later (a breaker that
-    #    died), the claim is removed and the period after renews
+    assert ownership.read_mark(d).mark.token == "newcomer" and names() == [ownership.MARK]
+    # 2. a writer holds the claim: renewals wait, then remove it once held for DEAD_CLAIM_S, and renew
     ownership._replace(d, ours)
     seen = ownership.read_mark(d)
-    stuck = ownership._claim(d, seen)
-    stuck.hardlink_to(d / ownership.MARK)
+    held = ownership._claim(d, seen)
+    held.hardlink_to(d / ownership.MARK)
     assert not holding._renew_one(d, seen, replace(ours, renewals=1))
-    assert ownership.read_mark(d).raw == seen.raw and stuck.exists()
     assert not holding._renew_one(d, seen, replace(ours, renewals=1))
-    assert not stuck.exists()
+    assert ownership.read_mark(d).raw == seen.raw and held.exists()
+    time.sleep(0.6)
     assert holding._renew_one(d, seen, replace(ours, renewals=1))
-    assert ownership.read_mark(d).mark.renewals == 1
-    assert sorted(p.name for p in d.iterdir()) == [ownership.MARK]
+    assert ownership.read_mark(d).mark.renewals == 1 and names() == [ownership.MARK]
+    # 3. a writer whose claim was taken from it (as a dead one's) writes nothing
+    seen = ownership.read_mark(d)
+    held.hardlink_to(d / ownership.MARK)
+    held.unlink()
+    assert not ownership._write_claimed(d, held, seen, newcomer)
+    assert ownership.read_mark(d).raw == seen.raw
+    # 4. a release while a newcomer holds the claim leaves the mark to it; without one, it removes the mark
+    held = ownership._claim(d, seen)
+    held.hardlink_to(d / ownership.MARK)
+    ownership._remove_if(d, "holder")
+    assert ownership.read_mark(d).mark.token == "holder"
+    held.unlink()
+    ownership._remove_if(d, "holder")
+    assert names() == []
 
 
 def test_a_checkpoint_dir_that_reaches_the_run_dir_through_a_link_is_one_directory(tmp_path) -> None:

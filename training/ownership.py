@@ -30,6 +30,7 @@ renewal thread reads and writes only these files: it never touches the accelerat
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -313,16 +314,40 @@ def _claim(directory: Path, seen: Seen) -> Path:
     return directory / f"{MARK}.claim-{hashlib.sha256(seen.raw).hexdigest()[:16]}"
 
 
-def _write_claimed(directory: Path, claim: Path, seen: Seen, mark: Mark) -> bool:
-    """Once ``claim`` is made: ``mark`` over the mark, unless the mark claimed is no longer the one judged."""
+NO_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS)
+"""``link(2)`` refused by the filesystem (object-store mounts, SMB, exFAT): the mark is written without a claim."""
+DEAD_CLAIM_S = 5.0
+"""A claim held this long is a writer's that died holding it (a claim is held for milliseconds)."""
+
+
+def _write_claimed(directory: Path, claim: Path, seen: Seen, mark: Mark | None) -> bool:
+    """Once ``claim`` is made: ``mark`` over the mark (None: the mark removed), unless the mark claimed is no
+    longer the one judged, or the claim was taken from this writer as a dead one's (``DEAD_CLAIM_S``)."""
     try:
         if claim.read_bytes() != seen.raw:
             return False
-        _replace(directory, mark)
+        if mark is None:
+            (directory / MARK).unlink(missing_ok=True)
+        else:
+            _replace(directory, mark)
         return True
+    except FileNotFoundError:
+        return False
     finally:
         with contextlib.suppress(FileNotFoundError):
             claim.unlink()
+
+
+def _unclaimed(directory: Path, seen: Seen, mark: Mark | None) -> bool:
+    """On a filesystem without hard links: ``mark`` over the mark (None: removed) if it is still the one
+    judged, without the claim's exclusion (a takeover in the same instant can be written over)."""
+    if read_mark(directory).raw != seen.raw:
+        return False
+    if mark is None:
+        (directory / MARK).unlink(missing_ok=True)
+    else:
+        _replace(directory, mark)
+    return True
 
 
 def _break(directory: Path, seen: Seen, mark: Mark) -> bool:
@@ -335,22 +360,38 @@ def _break(directory: Path, seen: Seen, mark: Mark) -> bool:
             break
         except FileNotFoundError:
             return False  # released meanwhile: judge again
-        except FileExistsError:  # another breaker or a renewal (done in milliseconds), or one that died
+        except FileExistsError:  # another breaker, a renewal or a release (done in milliseconds), or one that died
             time.sleep(1.0)
             if read_mark(directory).raw != seen.raw:
                 return False
             with contextlib.suppress(FileNotFoundError):
                 claim.unlink()
+        except OSError as e:
+            if e.errno not in NO_LINKS:
+                raise
+            return _unclaimed(directory, seen, mark)
     else:
         return False
     return _write_claimed(directory, claim, seen, mark)
 
 
 def _remove_if(directory: Path, token: str) -> None:
+    """Remove the mark if it holds ``token``, claimed (``_claim``): never a newcomer's that replaced it since it
+    was read (a claim held by a newcomer breaking it: its mark replaces this one)."""
     seen = read_mark(directory)
-    if seen.mark is not None and seen.mark.token == token:
-        with contextlib.suppress(FileNotFoundError):
-            (directory / MARK).unlink()
+    if seen.mark is None or seen.mark.token != token:
+        return
+    claim = _claim(directory, seen)
+    try:
+        os.link(directory / MARK, claim)
+    except (FileExistsError, FileNotFoundError):
+        return
+    except OSError as e:
+        if e.errno not in NO_LINKS:
+            raise
+        _unclaimed(directory, seen, None)
+        return
+    _write_claimed(directory, claim, seen, None)
 
 
 # ------------------------------------------------------------------------------------------ holding
@@ -368,7 +409,8 @@ class Holding:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._marks: dict[Path, Mark] = {}
-        self._waited: dict[Path, bytes] = {}  # a mark whose claim another writer held at the last renewal
+        self._blocked: dict[Path, tuple[bytes, float]] = {}  # a mark whose claim another writer holds, since
+        self._links = True  # False on a filesystem without hard links: renewals write without a claim
 
     def start_renewing(self, marks: dict[Path, Mark]) -> None:
         self._marks = dict(marks)
@@ -394,20 +436,36 @@ class Holding:
 
     def _renew_one(self, d: Path, seen: Seen, mark: Mark) -> bool:
         """Write the renewed ``mark`` over the one read (``seen``), claimed as a newcomer claims it to break it
-        (``_claim``): a renewal never writes over a newcomer's mark that replaced this one since it was read.
-        A claim held by another writer skips this period (a newcomer breaking the mark: the next period finds
-        its token); held still at the next period, it is a breaker's that died, and is removed."""
+        (``_claim``): a renewal does not write over a newcomer's mark that replaced this one since it was read.
+        A claim another writer holds skips this period (a newcomer breaking the mark: the next period finds its
+        token), unless held for ``DEAD_CLAIM_S``: a writer that died holding it, whose claim is removed."""
+        if not self._links:
+            return _unclaimed(d, seen, mark)
         claim = _claim(d, seen)
-        try:
-            os.link(d / MARK, claim)
-        except FileExistsError:
-            if self._waited.get(d) != seen.raw:
-                self._waited[d] = seen.raw or b""
-                return False
-            claim.unlink(missing_ok=True)  # a breaker that died holding it: this renewal claims it next period
-            self._waited.pop(d, None)
+        for _ in range(2):
+            try:
+                os.link(d / MARK, claim)
+                break
+            except FileNotFoundError:
+                return False  # removed meanwhile: the next period finds it gone
+            except FileExistsError:
+                raw = seen.raw or b""
+                first = self._blocked.setdefault(d, (raw, time.monotonic()))
+                if first[0] != raw:
+                    self._blocked[d] = (raw, time.monotonic())
+                    return False
+                if time.monotonic() - first[1] < DEAD_CLAIM_S:
+                    return False
+                claim.unlink(missing_ok=True)
+            except OSError as e:
+                if e.errno not in NO_LINKS:
+                    raise
+                log.warning(f"{d}: the filesystem makes no hard links: the owner's mark is renewed without a claim")
+                self._links = False
+                return _unclaimed(d, seen, mark)
+        else:
             return False
-        self._waited.pop(d, None)
+        self._blocked.pop(d, None)
         return _write_claimed(d, claim, seen, mark)
 
     def _line(self, d: Path, seen: Seen) -> str:
