@@ -138,24 +138,26 @@ def main(argv: list[str] | None = None) -> int:
     import torch  # on call, as train.py: --help answers without torch
 
     from common.atomic import atomic_write_json
-    from common.errors import EXIT_USER_ERROR, UserError
+    from common.errors import EXIT_USER_ERROR, RankError, UserError
     from common.process import end_process_group
     from training import ownership, start
     from training.config import load_config
 
     probe = StepProbe(cuda=torch.cuda.is_available())  # train.py's accelerator is CUDA wherever torch sees one
     window = time_clock_window(probe)
-    cfg = load_config(args.config, args.overrides)
-    run_dir = Path(cfg.run.dir)
+    run_dir: Path | None = None
     try:
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(cfg.run.dir)
         rc = start.run(cfg)
-    except UserError as e:  # a benchmark's run that is refused or runs out of memory: train.py's one line
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except UserError as e:  # a config, a run refused, or out of memory: train.py's one line and exit code
+        if os.environ.get("LOCAL_RANK", "0") == "0" or isinstance(e, RankError):
+            print(f"error: {e}", file=sys.stderr, flush=True)
         rc = EXIT_USER_ERROR
     finally:
         ownership.release(run_dir)  # as train.py's main: the owner's mark, after rank 0's last write
         end_process_group()
-    if rc == 0 and int(os.environ.get("RANK", "0")) == 0 and window["wall_s"] > 0:
+    if rc == 0 and run_dir is not None and int(os.environ.get("RANK", "0")) == 0 and window["wall_s"] > 0:
         import json
 
         steps = int(json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))["measured_steps"])

@@ -182,6 +182,7 @@ def test_the_cuda_branch_calls_flash_as_its_schema_says(monkeypatch, kernel_stat
     the forward's rng_state and unused (out as int64, back in the kernel's own dtype: uint64 from torch 2.7,
     int64 before, as a forward returning int64 stands for here), and returns gradients shaped as q, k and v."""
     calls: list[tuple[str, tuple, dict]] = []
+    monkeypatch.setattr(A, "_flash_state_dtype", A._flash_state_dtype)  # the forward sets it: restored after
 
     def recorded(name: str):
         real = getattr(torch.ops.aten, name)
