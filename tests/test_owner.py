@@ -7,6 +7,7 @@ every process of a job. The two-node case (a holder on another host) is in test_
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -359,13 +360,21 @@ def test_renewals_releases_and_takeovers_claim_the_mark_they_read(tmp_path, monk
 
 
 def test_a_checkpoint_dir_that_reaches_the_run_dir_through_a_link_is_one_directory(tmp_path) -> None:
-    """``checkpoint.dir`` given as a symbolic link to ``run.dir`` (or as another spelling of it) holds one mark,
-    taken and released once."""
+    """``checkpoint.dir`` given as a symbolic link to ``run.dir``, as another spelling or another mount of it
+    holds one mark, taken and released once; directories not made yet are told apart by their paths."""
     run = tmp_path / "run"
     run.mkdir()
     (tmp_path / "ckpt").symlink_to(run)
     spelled = tmp_path / "x" / ".." / "run"
     assert ownership.unique_dirs([run, tmp_path / "ckpt", spelled]) == [run]
+    assert ownership.unique_dirs([run, tmp_path / "later", tmp_path / "later"]) == [run, tmp_path / "later"]
+    if os.geteuid() == 0:  # another mount of it (a bind mount: root, as CI runs); a user has no mount to try
+        (tmp_path / "bound").mkdir()
+        subprocess.run(["mount", "--bind", str(run), str(tmp_path / "bound")], check=True)
+        try:
+            assert ownership.unique_dirs([run, tmp_path / "bound"]) == [run]
+        finally:
+            subprocess.run(["umount", str(tmp_path / "bound")], check=True)
     holding = ownership.acquire([run, tmp_path / "ckpt"], stale_s=STALE_S, takeover=False, role="test")
     try:
         assert holding.dirs == [run] and ownership.read_mark(run).mark.token == holding.token

@@ -551,11 +551,14 @@ def release(run_dir: Path | None = None) -> None:
 
 def unique_dirs(dirs: Sequence[Path]) -> list[Path]:
     """``dirs`` less those that reach a directory named before (a ``checkpoint.dir`` that is ``run.dir``, by
-    another spelling or through a symbolic link): one mark each."""
+    another spelling, through a symbolic link or another mount of it): one mark each."""
     out: list[Path] = []
-    seen: set[Path] = set()
+    seen: set[Any] = set()
     for d in dirs:
-        key = Path(os.path.realpath(d))
+        key: Any = Path(os.path.realpath(d))  # a directory not made yet: by its path, links resolved
+        with contextlib.suppress(OSError):
+            st = os.stat(key)
+            key = (st.st_dev, st.st_ino)
         if key not in seen:
             seen.add(key)
             out.append(d)
