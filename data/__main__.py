@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "formats", None):  # convert, verify: formats from outside the package, before any is looked up
+        from data.formats import load_formats  # on call, as each subcommand's module
+
+        load_formats(args.formats)
     return importlib.import_module(args._module).run(args)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from common.atomic import atomic_path
 from common.errors import UserError
 from data import h5format
-from data.formats import formats, get_format
+from data.formats import add_formats_flag, formats, get_format
 from data.shards import ShardDir, ShardJob, run_from_args, run_shard_jobs
 from data.verify import manifest_kind
 
@@ -45,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    add_formats_flag(p)
 
 
 def _detect_kind(src: str) -> str:

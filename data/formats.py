@@ -125,6 +125,18 @@ def formats() -> Iterator[ShardFormat]:
     return iter(list(FORMATS.values()))
 
 
+def add_formats_flag(p: Any) -> None:
+    """``--formats MODULE...``: a data command that reads shards of a format from outside the package (what
+    ``data.formats`` lists at training time) registers the modules named first (``load_formats``)."""
+    p.add_argument(
+        "--formats",
+        nargs="+",
+        default=[],
+        metavar="MODULE",
+        help="modules that define shard formats from outside the package (as data.formats), registered first",
+    )
+
+
 def load_formats(modules: Iterable[str]) -> None:
     """The hook by which a format comes in without editing this package: import each named module, which
     defines a ``FORMAT`` record; it is registered."""

@@ -17,12 +17,13 @@ from tqdm import tqdm
 
 from common.errors import UserError
 from data import h5format
-from data.formats import format_of_attr, formats
+from data.formats import add_formats_flag, format_of_attr, formats
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", help="shard directory with manifest.json (python -m data bert|gpt|convert)")
     p.add_argument("--no-progress", action="store_true")
+    add_formats_flag(p)
 
 
 def manifest_kind(directory: Path) -> str:
@@ -37,7 +38,10 @@ def manifest_kind(directory: Path) -> str:
     record = format_of_attr(fmt)
     if record is None:
         known = ", ".join(f.format_attr for f in formats())
-        raise UserError(f"{man}: format {fmt!r} is not a shard format ({known})")
+        raise UserError(
+            f"{man}: format {fmt!r} is not a shard format ({known}); a format from outside the package: "
+            "--formats MODULE"
+        )
     return record.name
 
 

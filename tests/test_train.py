@@ -483,6 +483,26 @@ def toy_data(gpt_data, tmp_path_factory) -> dict[str, Path]:
     return {"vocab": gpt_data["vocab"], "train": root / "train", "eval": root / "eval"}
 
 
+def test_data_verify_and_convert_read_a_format_from_outside_the_package_given_its_module(toy_data, tmp_path):
+    """``python -m data verify`` and ``convert`` read shards of a format from outside the package once
+    ``--formats`` names its module (as ``data.formats`` does at training time); without it, one line that names
+    the manifest and the flag."""
+    r = run_python(["-m", "data", "verify", str(toy_data["train"])], timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "'wikipretrain-toy' is not a shard format" in r.stderr and "--formats MODULE" in r.stderr, r.stderr
+    r = run_python(["-m", "data", "verify", str(toy_data["train"]), "--formats", "tests.toyformat"], timeout=120)
+    assert r.returncode == 0 and " toy shard(s)" in r.stdout and "match the manifest" in r.stdout, r.stderr
+    out = tmp_path / "converted"
+    args = ["-m", "data", "convert", "--src", str(toy_data["train"]), "--out", str(out), "--no-progress"]
+    r = run_python(args, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "is not a shard format" in r.stderr and "--formats MODULE" in r.stderr and not out.exists(), r.stderr
+    r = run_python([*args, "--formats", "tests.toyformat"], timeout=120)
+    assert r.returncode == 0 and "convert: 2 toy shard(s)" in r.stdout, r.stderr
+    r = run_python(["-m", "data", "verify", str(out), "--formats", "tests.toyformat"], timeout=120)
+    assert r.returncode == 0 and "2 toy shard(s)" in r.stdout, r.stderr
+
+
 def test_a_family_and_a_format_from_outside_the_package_train_evaluate_and_resume(toy_data, tmp_path):
     """A third model family and a third shard format, each defined only in tests/ (tests/toyfamily.py: its record
     and model; tests/toyformat.py: its record and builder) and brought in through model.families and data.formats.
