@@ -580,3 +580,16 @@ def test_implementations_agree_and_compiled_graphs_stay_bounded() -> None:
         code = fn._torchdynamo_orig_callable.__code__
         n = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code))
         assert 1 <= n <= 4 < limit, (name, n)
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hold_the_next_start() -> None:
+    """torch's extension builder leaves its lock file behind when its process is killed while it checks the
+    build (a rank killed -9 as it starts), and every later process waited on it for good: the LANS kernels are
+    loaded under a lock the kernel releases with its process, and a stale lock file found under it is removed."""
+    name = cpu_ext.extension_name()
+    with cpu_ext.build_lock(name) as build_dir:  # as a process that died building: its file, not its flock
+        (build_dir / cpu_ext.TORCH_LOCK).touch()
+    code = "from training.optim import cpu_ext; assert cpu_ext.cpu_kernels(required=True) is not None"
+    r = run_python(["-c", code], timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (build_dir / cpu_ext.TORCH_LOCK).exists()
