@@ -68,6 +68,8 @@ def test_shard_truncated_under_the_job_then_a_read_that_fails_once(bert_data, st
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step00000004"
     failures = [e for e in events.read(run_dir) if e["event"] == "failure"]
     assert failures and str(shard) in failures[0]["why"], failures
+    # each rank's own: one that ends after rank 0 released the run's mark too (the mark gone is no takeover)
+    assert len({e["rank"] for e in failures}) == len(failures) == len(lines), (failures, lines)
 
     shard.write_bytes(whole)
     second = deepspeed(common(data, run_dir), env=_fault_env(f"fail_once:0:{tmp_path / 'failed-once'}"))

@@ -56,8 +56,9 @@ class EventLog:
 
 def record(run_dir: Path, kind: str, **fields: Any) -> None:
     """Append one event; never raises (the run's own error is the one to report). A process whose run was
-    taken over by another job writes nothing (``training.ownership.fence``: a rank ends there)."""
-    if not ownership.fence():
+    taken over by another job writes nothing (``training.ownership.fence``: a rank ends there); one whose
+    holder released the run as the job ended still records its own ending (its ``failure``)."""
+    if not ownership.fence(released_ok=True):
         return
     line = json.dumps({"event": kind, "time": time.time(), **fields}) + "\n"
     try:

@@ -472,10 +472,11 @@ class Holding:
         who = f"by another job ({seen.mark.describe()})" if seen.mark else "(its mark was removed)"
         return f"{d} was taken over {who}: this job stops here, before its next write (exit {EXIT_FENCED})"
 
-    def check(self) -> bool:
+    def check(self, released_ok: bool = False) -> bool:
         """The fence: True while every mark still holds this job's token; else ``on_lost`` with the line
         (a rank: one line, exit 4) and False. A mark gone from under a process that does not own it (its
-        holder released it as the job ends): False, nothing more written, no line."""
+        holder released it as the job ends): False, nothing more written, no line; with ``released_ok`` (an
+        event: no other job holds the run, and this rank's own ending is worth its line) True."""
         if self.lost is None:
             for d in self.dirs:
                 try:
@@ -483,8 +484,10 @@ class Holding:
                 except OSError:  # the storage failed the read: no sign of another job (the write will say)
                     continue
                 if seen.mark is None and not self.owned:
-                    # its holder (rank 0, the supervisor) released it as the job ends: this rank writes nothing
-                    # more, and ends on its own error, not as taken over
+                    # its holder (rank 0, the supervisor) released it as the job ends: this rank ends on its own
+                    # error, not as taken over, and writes no more commits or rows (its events yet)
+                    if released_ok:
+                        continue
                     return False
                 if seen.mark is None or seen.mark.token != self.token:
                     self.lost = self._line(d, seen)
@@ -536,10 +539,11 @@ def current() -> Holding | None:
     return _current
 
 
-def fence() -> bool:
+def fence(released_ok: bool = False) -> bool:
     """Before a commit, a metrics row or an event: True when this process may write (no holding, or its mark
-    still holds); a rank whose mark was taken over ends here (``stop_fenced``)."""
-    return _current is None or _current.check()
+    still holds; ``released_ok``: or its holder released it, ``Holding.check``); a rank whose mark was taken
+    over ends here (``stop_fenced``)."""
+    return _current is None or _current.check(released_ok)
 
 
 def release(run_dir: Path | None = None) -> None:
