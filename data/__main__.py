@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "formats", None):  # convert, verify: formats from outside the package, before any is looked up
         from data.formats import load_formats  # on call, as each subcommand's module
 
-        load_formats(args.formats)
+        load_formats(args.formats, "--formats")
     return importlib.import_module(args._module).run(args)
 
 

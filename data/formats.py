@@ -137,10 +137,18 @@ def add_formats_flag(p: Any) -> None:
     )
 
 
-def load_formats(modules: Iterable[str]) -> None:
+LOADED: list[str] = []
+"""The modules ``load_formats`` registered in this process, in order: a writer's worker processes (spawned: they
+import the package afresh) register them again (``data.shards.run_shard_jobs``)."""
+
+
+def load_formats(modules: Iterable[str], setting: str = "data.formats") -> None:
     """The hook by which a format comes in without editing this package: import each named module, which
-    defines a ``FORMAT`` record; it is registered."""
-    load_records(modules, "data.formats", "FORMAT", ShardFormat, register_format)
+    defines a ``FORMAT`` record; it is registered. ``setting``: what a module that cannot be loaded is named
+    by in the one-line error (the config's ``data.formats``, a command's ``--formats``)."""
+    modules = list(modules)
+    load_records(modules, setting, "FORMAT", ShardFormat, register_format)
+    LOADED.extend(m for m in modules if m not in LOADED)
 
 
 class _View(Mapping):

@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 from common.outdir import prepare_out_dir, remove_stale
 from data import h5format
+from data.formats import LOADED, load_formats
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,16 @@ class ShardJob:
     weight: int = 1
 
 
-def _run_job(fn: Callable[..., dict[str, Any]], tok_threads: int, args: tuple[Any, ...]) -> dict[str, Any]:
-    """Worker-process entry: share the cores among the workers' Rust tokenizer thread pools."""
+def _run_job(
+    fn: Callable[..., dict[str, Any]], tok_threads: int, args: tuple[Any, ...], plugins: list[str]
+) -> dict[str, Any]:
+    """Worker-process entry: share the cores among the workers' Rust tokenizer thread pools, and register the
+    shard formats from outside the package that the parent registered (``plugins``: a spawned worker imports
+    the package afresh)."""
     if tok_threads:
         os.environ.setdefault("RAYON_RS_NUM_CPUS", str(tok_threads))
+    if plugins:
+        load_formats(plugins)
     return fn(*args)
 
 
@@ -87,7 +94,7 @@ def run_shard_jobs(
                         bar.update(pending.pop(fut))
 
                 for job in jobs:
-                    pending[ex.submit(_run_job, fn, tok_threads, job.args)] = job.weight
+                    pending[ex.submit(_run_job, fn, tok_threads, job.args, list(LOADED))] = job.weight
                     if len(pending) > workers:  # bound the queued jobs' memory
                         collect(wait(pending, return_when=FIRST_COMPLETED).done)
                 collect(list(pending))

@@ -497,7 +497,7 @@ def test_data_verify_and_convert_read_a_format_from_outside_the_package_given_it
     r = run_python(args, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert "is not a shard format" in r.stderr and "--formats MODULE" in r.stderr and not out.exists(), r.stderr
-    r = run_python([*args, "--formats", "tests.toyformat"], timeout=120)
+    r = run_python([*args, "--workers", "2", "--formats", "tests.toyformat"], timeout=120)  # spawned workers too
     assert r.returncode == 0 and "convert: 2 toy shard(s)" in r.stdout, r.stderr
     r = run_python(["-m", "data", "verify", str(out), "--formats", "tests.toyformat"], timeout=120)
     assert r.returncode == 0 and "2 toy shard(s)" in r.stdout, r.stderr
