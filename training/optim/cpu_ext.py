@@ -5,6 +5,7 @@ extension builder (cached on disk), loaded once per process. ``training.optim.ba
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -43,6 +44,9 @@ build (``torch.utils.file_baton``), waited on by every other: one left by a proc
 -9 as it started) would hold every later start forever."""
 
 
+NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
 @contextlib.contextmanager
 def build_lock(name: str) -> Iterator[Path]:
     """Hold the extension ``name``'s build directory (torch's own, under ~/.cache/torch_extensions) under a lock
@@ -52,7 +56,13 @@ def build_lock(name: str) -> Iterator[Path]:
 
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     with open(build_dir / "wikipretrain.flock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        except OSError as e:
+            if e.errno not in NO_FLOCK:
+                raise
+            yield build_dir  # a filesystem without flock (Lustre's noflock, NFS without its lock daemon): torch's
+            return  # lock file alone, as before, a stale one included
         (build_dir / TORCH_LOCK).unlink(missing_ok=True)
         yield build_dir
 
