@@ -326,10 +326,7 @@ def _write_claimed(directory: Path, claim: Path, seen: Seen, mark: Mark | None) 
     try:
         if claim.read_bytes() != seen.raw:
             return False
-        if mark is None:
-            (directory / MARK).unlink(missing_ok=True)
-        else:
-            _replace(directory, mark)
+        _put(directory, mark)
         return True
     except FileNotFoundError:
         return False
@@ -343,11 +340,16 @@ def _unclaimed(directory: Path, seen: Seen, mark: Mark | None) -> bool:
     judged, without the claim's exclusion (a takeover in the same instant can be written over)."""
     if read_mark(directory).raw != seen.raw:
         return False
+    _put(directory, mark)
+    return True
+
+
+def _put(directory: Path, mark: Mark | None) -> None:
+    """``mark`` over the mark, or (None) the mark removed."""
     if mark is None:
         (directory / MARK).unlink(missing_ok=True)
     else:
         _replace(directory, mark)
-    return True
 
 
 def _break(directory: Path, seen: Seen, mark: Mark) -> bool:
@@ -483,7 +485,7 @@ class Holding:
                     seen = read_mark(d)
                 except OSError:  # the storage failed the read: no sign of another job (the write will say)
                     continue
-                if seen.mark is None and not self.owned:
+                if seen.raw is None and not self.owned:
                     # its holder (rank 0, the supervisor) released it as the job ends: this rank ends on its own
                     # error, not as taken over, and writes no more commits or rows (its events yet)
                     if released_ok:
