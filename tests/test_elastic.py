@@ -86,8 +86,19 @@ def saved_step(run_dir: Path) -> int:
 
 
 def finish(proc: subprocess.Popen) -> tuple[str, list[str]]:
-    """Its output (stdout and stderr) and the lines of ours in it (``error:``, ``launch elastic:``)."""
-    out, _ = proc.communicate(timeout=150)
+    """Its output (stdout and stderr) and the lines of ours in it (``error:``, ``launch elastic:``). Past the
+    wait, the failure lists what still runs of the job (its run.dir's processes) and what the launcher said."""
+    try:
+        out, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired as e:
+        mine = next(a for a in proc.args if str(a).startswith("run.dir="))
+        left = []
+        for p in psutil.process_iter(["pid", "ppid", "status", "cmdline"]):
+            cmd = " ".join(p.info["cmdline"] or [])
+            if mine in cmd or p.info["pid"] == proc.pid:
+                left.append(f"{p.info['pid']} (parent {p.info['ppid']}, {p.info['status']}): {cmd[:160]}")
+        said = e.output.decode(errors="replace") if isinstance(e.output, bytes) else str(e.output or "")
+        raise AssertionError(f"the job did not end: still running {left}; it said: {said[-3000:]}") from None
     return out, [ln for ln in out.splitlines() if ln.startswith(("error:", "launch elastic:"))]
 
 
