@@ -47,8 +47,10 @@ come from ``data.h5format``'s schema.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import math
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -415,6 +417,19 @@ def _outlive_sigterm(signum: int, frame: Any) -> None:  # a signal handler's sig
     signal.alarm(WORKER_GRACE_S)  # SIGALRM's default action ends the process
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_rank(rank_pid: int) -> None:
+    """A worker ends when its rank does, however it is stuck: the kernel kills it (``PR_SET_PDEATHSIG``) as the
+    thread that started it ends (the rank's training loop, which iterates the loader). A worker that outlived a
+    rank killed -9 (stuck in a read, stopped, deadlocked) held the job's output open and its memory for good."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the DataLoader's own check of its parent
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != rank_pid:  # the rank died before the call above
+        os._exit(0)
+
+
 def _rank_gone_quietly(kind: type[BaseException], value: BaseException, tb: Any) -> None:
     """A worker's ``sys.excepthook``: a lost connection to its rank (killed while it fetched a transfer's
     shared-memory handles, which ``multiprocessing.resource_sharer``'s thread reports through this hook) is
@@ -465,6 +480,7 @@ class _Stream(torch.utils.data.IterableDataset):
         super().__init__()
         self.shards, self.order, self.schedule, self.start = shards, order, schedule, start
         self.per_chunk, self.unpack, self.retry = per_chunk, unpack, retry
+        self.rank_pid = os.getpid()  # the process whose workers these are
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, list[int]]]]:
         info = torch.utils.data.get_worker_info()
@@ -475,6 +491,7 @@ class _Stream(torch.utils.data.IterableDataset):
             # and the worker is shut down with it. A worker nobody shuts down ends by itself a minute later.
             signal.signal(signal.SIGTERM, _outlive_sigterm)
             sys.excepthook = _rank_gone_quietly
+            _die_with_rank(self.rank_pid)
         reader = _Reader(self.shards, self.order, self.retry)
         try:
             for j, chunk in enumerate(self.schedule.chunks(*self.start, self.per_chunk)):

@@ -143,12 +143,17 @@ class Killed:
 
 
 def kill_9_job(data, run_dir: Path, port: int) -> Killed:
-    """SIGKILL rank 1 of a job that saves at every step, once it has logged 3 steps."""
+    """SIGKILL rank 1 of a job that saves at every step, once it has logged 3 steps, its DataLoader worker
+    stuck (SIGSTOP: as one blocked in a read or deadlocked would be)."""
     proc = start_job(data, run_dir, port, "checkpoint.every=1", "train.eval_every=0")
     try:
         wait_for_steps(proc, run_dir, 3)
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         _, ranks = launcher_and_ranks(proc)
+        workers = [c for c in ranks[1].children() if c.cmdline() == ranks[1].cmdline()]  # forked: the same
+        assert workers, "rank 1 has no DataLoader worker to stop"
+        for w in workers:
+            w.send_signal(signal.SIGSTOP)
         t0 = time.time()
         ranks[1].kill()
         _, alive = psutil.wait_procs(family, timeout=60)
@@ -363,8 +368,9 @@ def test_a_stalled_data_loader_ends_its_rank_with_one_line(jobs: TwoAtATime):
 
 
 def test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit(jobs: TwoAtATime, bert_data):
-    """SIGKILL one rank while the job saves at every step: every process of the job is gone within 30 s, the
-    checkpoint ``latest`` names is complete and whole, and a restart resumes from it."""
+    """SIGKILL one rank while the job saves at every step, its DataLoader worker stuck: every process of the
+    job is gone within 30 s (the stuck worker too: it dies with its rank), the checkpoint ``latest`` names is
+    complete and whole, and a restart resumes from it."""
     from training.checkpoint.storage import read_latest, tag_problem
 
     job, run_dir = jobs("test_kill_9_of_a_rank_ends_the_job_and_keeps_the_last_commit")
