@@ -421,12 +421,16 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def _die_with_rank(rank_pid: int) -> None:
-    """A worker ends when its rank does, however it is stuck: the kernel kills it (``PR_SET_PDEATHSIG``) as the
-    thread that started it ends (the rank's training loop, which iterates the loader). A worker that outlived a
-    rank killed -9 (stuck in a read, stopped, deadlocked) held the job's output open and its memory for good."""
+    """A worker forked by its rank ends when the rank does, however it is stuck: the kernel kills it
+    (``PR_SET_PDEATHSIG``) as the thread that forked it ends (the rank's training loop, whose first ``next()``
+    on the loader starts the workers). A worker that outlived a rank killed -9 (stuck in a read, stopped,
+    deadlocked) held the job's output open and its memory for good. A worker started otherwise (a fork
+    server: its parent is not the rank), or whose rank is gone already, keeps the DataLoader's own check."""
+    if os.getppid() != rank_pid:
+        return
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the DataLoader's own check of its parent
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != rank_pid:  # the rank died before the call above
+    if os.getppid() != rank_pid:  # the rank died between the check and the call
         os._exit(0)
 
 
@@ -511,6 +515,8 @@ class PretrainingLoader:
     real tokens are (:func:`unpadding_index`) to BERT micro-batches, for a model that computes only them.
     ``pin_memory=True`` (an accelerator's run) hands out micro-batches in pinned host memory, pinned by the
     DataLoader's thread (or, with ``num_workers=0``, as they are read), so the copy to the device need not wait.
+    The workers start at the first ``next()`` and die with the thread that made it (``_die_with_rank``): iterate
+    from a thread that lives as long as the iteration (the training loop's).
     """
 
     def __init__(

@@ -3,6 +3,7 @@ arithmetic of ``training.events``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -91,12 +92,16 @@ def finish(proc: subprocess.Popen) -> tuple[str, list[str]]:
     try:
         out, _ = proc.communicate(timeout=150)
     except subprocess.TimeoutExpired as e:
-        mine = next(a for a in proc.args if str(a).startswith("run.dir="))
-        left = []
+        mine = next((str(a) for a in proc.args if str(a).startswith("run.dir=")), str(proc.args))
+        left, procs = [], []
         for p in psutil.process_iter(["pid", "ppid", "status", "cmdline"]):
             cmd = " ".join(p.info["cmdline"] or [])
             if mine in cmd or p.info["pid"] == proc.pid:
                 left.append(f"{p.info['pid']} (parent {p.info['ppid']}, {p.info['status']}): {cmd[:160]}")
+                procs.append(p)
+        for p in procs:  # nothing of it runs on beside the tests after this one
+            with contextlib.suppress(psutil.Error):
+                p.kill()
         said = e.output.decode(errors="replace") if isinstance(e.output, bytes) else str(e.output or "")
         raise AssertionError(f"the job did not end: still running {left}; it said: {said[-3000:]}") from None
     return out, [ln for ln in out.splitlines() if ln.startswith(("error:", "launch elastic:"))]

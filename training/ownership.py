@@ -471,7 +471,8 @@ class Holding:
         return _write_claimed(d, claim, seen, mark)
 
     def _line(self, d: Path, seen: Seen) -> str:
-        who = f"by another job ({seen.mark.describe()})" if seen.mark else "(its mark was removed)"
+        gone = "(its mark was removed)" if seen.raw is None else "(its mark is unreadable)"
+        who = f"by another job ({seen.mark.describe()})" if seen.mark else gone
         return f"{d} was taken over {who}: this job stops here, before its next write (exit {EXIT_FENCED})"
 
     def check(self, released_ok: bool = False) -> bool:

@@ -56,15 +56,16 @@ def build_lock(name: str) -> Iterator[Path]:
 
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     with open(build_dir / "wikipretrain.flock", "a") as held:
+        locked = True
         try:
             fcntl.flock(held, fcntl.LOCK_EX)
         except OSError as e:
             if e.errno not in NO_FLOCK:
                 raise
-            yield build_dir  # a filesystem without flock (Lustre's noflock, NFS without its lock daemon): torch's
-            return  # lock file alone, as before, a stale one included
-        (build_dir / TORCH_LOCK).unlink(missing_ok=True)
-        yield build_dir
+            locked = False  # a filesystem without flock (Lustre's noflock, NFS without its lock daemon)
+        if locked:
+            (build_dir / TORCH_LOCK).unlink(missing_ok=True)
+        yield build_dir  # unlocked: torch's lock file alone, as before, a stale one included
 
 
 def cpu_kernels(required: bool = False) -> Any:
