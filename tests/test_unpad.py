@@ -342,7 +342,7 @@ def test_varlen_asked_where_it_cannot_run_is_refused_at_the_start_in_one_line() 
     from training.build import check_unpad_kernel
 
     spec = get_spec("bert-debug")
-    fp32, bf16 = {"bf16": {"enabled": False}}, {"bf16": {"enabled": True}}
+    fp32, bf16 = torch.float32, torch.bfloat16
     with pytest.raises(UserError, match=r"^model.unpad_attention=varlen: .* not cuda torch.float32 .*: use padded$"):
         check_unpad_kernel("varlen", "cuda", fp32, spec)
     odd = BertSpec(**{**spec.__dict__, "hidden": 60 * spec.heads})

@@ -152,13 +152,11 @@ def schedule_kwargs(schedule: ScheduleSection, total_steps: int) -> dict:
     return {k: v for k, v in fields.items() if k in accepted and k != "step"}
 
 
-def check_unpad_kernel(kernel: str | None, device: str, ds_config: dict[str, Any], spec) -> None:
+def check_unpad_kernel(kernel: str | None, device: str, dtype: torch.dtype, spec) -> None:
     """``model.unpad_attention=varlen`` asked for where it cannot run (CUDA in FP32, an older card, an odd head
-    size): refused at the start in one line, not at the first forward."""
+    size) for a model computing in ``dtype``: refused at the start in one line, not at the first forward."""
     if kernel != "varlen":
         return
-    halves = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    dtype = next((d for key, d in halves.items() if ds_config.get(key, {}).get("enabled")), torch.float32)
     try:
         resolve_kernel(kernel, device, dtype, spec.hidden // spec.heads)
     except ValueError as e:
@@ -173,6 +171,7 @@ def build_engine(
     spec,
     plan: StaticPlan,
     ds_config: dict[str, Any],
+    dtype: torch.dtype,
     rank: int,
 ):
     """Model (same initial weights on every rank), optimizer, schedule and the DeepSpeed engine; whether it
@@ -185,7 +184,7 @@ def build_engine(
     log.info(f"building {spec.name} and its optimizer")
     torch.manual_seed(train.seed)  # same initial weights on every rank (they draw from torch's RNG alone)
     device = collectives.accelerator().device_name()
-    check_unpad_kernel(plan.unpad_kernel, device, ds_config, spec)
+    check_unpad_kernel(plan.unpad_kernel, device, dtype, spec)
     # the kernel that runs is resolved in the model's forward, from its runtime device and dtype; the trainer logs
     # it after the first step and records it (attention_kernel)
     build: dict[str, Any] = {

@@ -170,7 +170,8 @@ def prepare(cfg: Config) -> Start | None:
     state.attach(data.loader)
     ds_config = ds_engine.deepspeed_config(cfg, grad_accum, str(run_dir))
     ds_config["checkpoint"]["load_universal"] = bool(point and point.universal)
-    engine = build_engine(cfg.model, cfg.optimizer, cfg.schedule, cfg.train, spec, static, ds_config, rank)
+    dtype = getattr(torch, ds_engine.compute_dtypes(cfg.deepspeed)[0])  # the model's
+    engine = build_engine(cfg.model, cfg.optimizer, cfg.schedule, cfg.train, spec, static, ds_config, dtype, rank)
     identity = run_identity(spec, data, world, cfg.train, cfg.optimizer, cfg.to_dict())
     trainer, facts = assemble(cfg, plan, engine, data, spec, checkpointer)
     try:
