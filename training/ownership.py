@@ -320,6 +320,22 @@ DEAD_CLAIM_S = 5.0
 """A claim held this long is a writer's that died holding it (a claim is held for milliseconds)."""
 
 
+def _link(directory: Path, claim: Path) -> str:
+    """Make ``claim``: ``made``; ``held`` by another writer; ``gone``, no mark to claim; or ``no links`` where
+    the filesystem makes none (``NO_LINKS``). Every writer of a mark claims it through this."""
+    try:
+        os.link(directory / MARK, claim)
+        return "made"
+    except FileExistsError:
+        return "held"
+    except FileNotFoundError:
+        return "gone"
+    except OSError as e:
+        if e.errno not in NO_LINKS:
+            raise
+        return "no links"
+
+
 def _write_claimed(directory: Path, claim: Path, seen: Seen, mark: Mark | None) -> bool:
     """Once ``claim`` is made: ``mark`` over the mark (None: the mark removed), unless the mark claimed is no
     longer the one judged, or the claim was taken from this writer as a dead one's (``DEAD_CLAIM_S``)."""
@@ -357,24 +373,19 @@ def _break(directory: Path, seen: Seen, mark: Mark) -> bool:
     renews it meanwhile, or it changed since (``_claim``)."""
     claim = _claim(directory, seen)
     for _ in range(2):
-        try:
-            os.link(directory / MARK, claim)
-            break
-        except FileNotFoundError:
+        got = _link(directory, claim)
+        if got == "made":
+            return _write_claimed(directory, claim, seen, mark)
+        if got == "gone":
             return False  # released meanwhile: judge again
-        except FileExistsError:  # another breaker, a renewal or a release (done in milliseconds), or one that died
-            time.sleep(1.0)
-            if read_mark(directory).raw != seen.raw:
-                return False
-            with contextlib.suppress(FileNotFoundError):
-                claim.unlink()
-        except OSError as e:
-            if e.errno not in NO_LINKS:
-                raise
+        if got == "no links":
             return _unclaimed(directory, seen, mark)
-    else:
-        return False
-    return _write_claimed(directory, claim, seen, mark)
+        # held: another breaker, a renewal or a release (done in milliseconds), or one that died holding it
+        time.sleep(1.0)
+        if read_mark(directory).raw != seen.raw:
+            return False
+        claim.unlink(missing_ok=True)
+    return False
 
 
 def _remove_if(directory: Path, token: str) -> None:
@@ -384,16 +395,11 @@ def _remove_if(directory: Path, token: str) -> None:
     if seen.mark is None or seen.mark.token != token:
         return
     claim = _claim(directory, seen)
-    try:
-        os.link(directory / MARK, claim)
-    except (FileExistsError, FileNotFoundError):
-        return
-    except OSError as e:
-        if e.errno not in NO_LINKS:
-            raise
+    got = _link(directory, claim)
+    if got == "made":
+        _write_claimed(directory, claim, seen, None)
+    elif got == "no links":
         _unclaimed(directory, seen, None)
-        return
-    _write_claimed(directory, claim, seen, None)
 
 
 # ------------------------------------------------------------------------------------------ holding
@@ -445,30 +451,25 @@ class Holding:
             return _unclaimed(d, seen, mark)
         claim = _claim(d, seen)
         for _ in range(2):
-            try:
-                os.link(d / MARK, claim)
-                break
-            except FileNotFoundError:
+            got = _link(d, claim)
+            if got == "made":
+                self._blocked.pop(d, None)
+                return _write_claimed(d, claim, seen, mark)
+            if got == "gone":
                 return False  # removed meanwhile: the next period finds it gone
-            except FileExistsError:
-                raw = seen.raw or b""
-                first = self._blocked.setdefault(d, (raw, time.monotonic()))
-                if first[0] != raw:
-                    self._blocked[d] = (raw, time.monotonic())
-                    return False
-                if time.monotonic() - first[1] < DEAD_CLAIM_S:
-                    return False
-                claim.unlink(missing_ok=True)
-            except OSError as e:
-                if e.errno not in NO_LINKS:
-                    raise
+            if got == "no links":
                 log.warning(f"{d}: the filesystem makes no hard links: the owner's mark is renewed without a claim")
                 self._links = False
                 return _unclaimed(d, seen, mark)
-        else:
-            return False
-        self._blocked.pop(d, None)
-        return _write_claimed(d, claim, seen, mark)
+            raw = seen.raw or b""  # held
+            first = self._blocked.setdefault(d, (raw, time.monotonic()))
+            if first[0] != raw:
+                self._blocked[d] = (raw, time.monotonic())
+                return False
+            if time.monotonic() - first[1] < DEAD_CLAIM_S:
+                return False
+            claim.unlink(missing_ok=True)
+        return False
 
     def _line(self, d: Path, seen: Seen) -> str:
         gone = "(its mark was removed)" if seen.raw is None else "(its mark is unreadable)"
