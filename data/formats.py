@@ -139,7 +139,7 @@ def add_formats_flag(p: Any) -> None:
 
 LOADED: list[str] = []
 """The modules ``load_formats`` registered in this process, in order: a writer's worker processes (spawned: they
-import the package afresh) register them again (``data.shards.run_shard_jobs``)."""
+import the package afresh) register them again as they start (``data.shards.run_shard_jobs``)."""
 
 
 def load_formats(modules: Iterable[str], setting: str = "data.formats") -> None:

@@ -42,16 +42,10 @@ class ShardJob:
     weight: int = 1
 
 
-def _run_job(
-    fn: Callable[..., dict[str, Any]], tok_threads: int, args: tuple[Any, ...], plugins: list[str]
-) -> dict[str, Any]:
-    """Worker-process entry: share the cores among the workers' Rust tokenizer thread pools, and register the
-    shard formats from outside the package that the parent registered (``plugins``: a spawned worker imports
-    the package afresh)."""
+def _run_job(fn: Callable[..., dict[str, Any]], tok_threads: int, args: tuple[Any, ...]) -> dict[str, Any]:
+    """Worker-process entry: share the cores among the workers' Rust tokenizer thread pools."""
     if tok_threads:
         os.environ.setdefault("RAYON_RS_NUM_CPUS", str(tok_threads))
-    if plugins:
-        load_formats(plugins)
     return fn(*args)
 
 
@@ -85,7 +79,10 @@ def run_shard_jobs(
                 bar.update(job.weight)
         else:
             tok_threads = max(1, (os.cpu_count() or 1) // workers)
-            with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as ex:
+            # a spawned worker imports the package afresh: it registers, once, the shard formats from outside the
+            # package that this process registered
+            spawn, plugins = get_context("spawn"), (list(LOADED),)
+            with ProcessPoolExecutor(workers, mp_context=spawn, initializer=load_formats, initargs=plugins) as ex:
                 pending: dict[Future, int] = {}
 
                 def collect(futures: Iterable[Future]) -> None:
@@ -94,7 +91,7 @@ def run_shard_jobs(
                         bar.update(pending.pop(fut))
 
                 for job in jobs:
-                    pending[ex.submit(_run_job, fn, tok_threads, job.args, list(LOADED))] = job.weight
+                    pending[ex.submit(_run_job, fn, tok_threads, job.args)] = job.weight
                     if len(pending) > workers:  # bound the queued jobs' memory
                         collect(wait(pending, return_when=FIRST_COMPLETED).done)
                 collect(list(pending))
